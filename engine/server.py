@@ -1,0 +1,323 @@
+"""`python -m engine.server`: the composition root that wires the engine to the WebSocket server.
+
+The engine loop runs in the main thread and sleeps on an event while idle. The publisher
+(instrumentation.publisher) runs an asyncio server in another thread: commands reach the engine
+through `LLM`'s thread-safe methods, and events come back through an event hook that only
+appends to a list, which is handed over once per step. This is the only engine module that
+imports instrumentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from engine.config import CACHE_TYPES, POLICY_NAMES
+from engine.errors import EngineError
+from instrumentation import messages
+from instrumentation.commands import (
+    Abort,
+    CommandError,
+    SetConfig,
+    Stats,
+    Submit,
+    parse_command,
+)
+from instrumentation.publisher import Client, Publisher, PublisherConfig, is_loopback
+from instrumentation.recorder import Recorder
+from instrumentation.trace import TraceWriter
+
+log = logging.getLogger("stepscope.server")
+
+
+class EngineLoop:
+    """Steps the engine while there is work; hands each step's events to the publisher."""
+
+    def __init__(self, llm: Any, publish: Callable[[list[Any]], None]) -> None:
+        self.llm = llm
+        self.publish = publish
+        self.wake = threading.Event()  # set by every command, so an idle loop never spins
+        self.steps = 0
+        self.errors = 0
+        self._pending: list[Any] = []
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._stopping = False
+        llm.add_event_hook(self._pending.append)  # the whole hook: no work on the engine thread
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between two steps (for reads that need a quiet engine)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, future))
+        self.wake.set()
+        return future
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.wake.set()
+
+    def run(self) -> None:
+        """Until `stop()`; re-raises an engine failure after publishing what it produced."""
+        try:
+            while not self._stopping:
+                self.wake.clear()  # before looking for work, so a later command is not missed
+                self._run_calls()
+                record = self.run_once()
+                if record is None:
+                    self.wake.wait(timeout=0.05 if self.llm.has_work() else 0.5)
+        finally:
+            self._flush()
+            self._fail_calls()
+
+    def run_once(self) -> Any:
+        try:
+            record = self.llm.step()
+        except Exception:
+            self.errors += 1
+            raise
+        finally:
+            self._flush()
+        if record is not None:
+            self.steps += 1
+        return record
+
+    def _flush(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self.publish(batch)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:
+                    future.set_exception(exc)
+
+    def _fail_calls(self) -> None:
+        while True:
+            try:
+                _, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            future.cancel()
+
+
+class CommandHandler:
+    """Turns one client frame into an engine call and a reply (runs on the server thread)."""
+
+    def __init__(self, llm: Any, loop: EngineLoop, publisher: Publisher, max_waiting: int) -> None:
+        self.llm = llm
+        self.loop = loop
+        self.publisher = publisher
+        self.max_waiting = max_waiting
+        self.vocab_size: int = llm.info.vocab_size
+
+    async def on_frame(self, client: Client, frame: str | bytes) -> None:
+        try:
+            cmd = parse_command(frame, vocab_size=self.vocab_size, policies=POLICY_NAMES)
+        except CommandError as exc:
+            self.publisher.reply(client, messages.error(exc.command_id, exc.code, exc.message))
+            return
+        try:
+            if isinstance(cmd, Submit):
+                await self._submit(client, cmd)
+            elif isinstance(cmd, Abort):
+                self.llm.abort(cmd.uid)  # the `aborted` event is the confirmation
+                self.loop.wake.set()
+            elif isinstance(cmd, SetConfig):
+                self._set_config(cmd)
+            elif isinstance(cmd, Stats):
+                await self._stats(client, cmd)
+        except EngineError as exc:
+            code = exc.code if exc.code in messages.ERROR_CODES else "invalid_request"
+            self.publisher.reply(client, messages.error(cmd.id, code, str(exc)))  # type: ignore[arg-type]
+
+    async def _submit(self, client: Client, cmd: Submit) -> None:
+        from engine.sampling import SamplingParams
+
+        if self.llm.num_waiting() >= self.max_waiting:
+            reason = f"{self.max_waiting} requests are already waiting; try later"
+            self.publisher.reply(client, messages.error(cmd.id, "capacity", reason))
+            return
+        params = SamplingParams(
+            max_tokens=cmd.max_tokens,
+            temperature=cmd.temperature,
+            top_k=cmd.top_k,
+            top_p=cmd.top_p,
+            ignore_eos=cmd.ignore_eos,
+            seed=cmd.seed,
+        )
+        # Off the server thread: tokenizing a long prompt must not hold up other clients.
+        uid = await asyncio.to_thread(self.llm.submit, cmd.prompt, params, chat=cmd.chat)
+        self.loop.wake.set()
+        self.publisher.reply(client, messages.accepted(cmd.id, uid))
+
+    def _set_config(self, cmd: SetConfig) -> None:
+        values = self.llm.set_config(max_extend_tokens=cmd.max_extend_tokens, policy=cmd.policy)
+        self.loop.wake.set()
+        self.publisher.broadcast(messages.config(cmd.id, self.llm.now(), values))
+
+    async def _stats(self, client: Client, cmd: Stats) -> None:
+        values = await asyncio.wrap_future(self.loop.call(self._engine_stats))
+        values.update(self.publisher.counters())
+        self.publisher.reply(client, messages.stats(cmd.id, self.llm.now(), values))
+
+    def _engine_stats(self) -> dict[str, Any]:
+        """Engine thread, between steps: the page accounting is quiet and can be checked."""
+        try:
+            self.llm.check_integrity()
+            integrity = "ok"
+        except AssertionError as exc:
+            integrity = f"failed: {exc}"
+        return {
+            "steps": self.loop.steps,
+            "engine_errors": self.loop.errors,
+            "integrity": integrity,
+            "kv": asdict(self.llm.kv_stats()),
+            "queue": asdict(self.llm.queue_stats()),
+        }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m engine.server",
+        description="Run the stepscope engine behind a WebSocket (see docs/protocol.md).",
+    )
+    add = p.add_argument
+    add("--host", default="127.0.0.1", help="bind address; non-loopback needs --token")
+    add("--port", type=int, default=8765, help="0 picks a free port (printed when ready)")
+    add(
+        "--token",
+        default=os.environ.get("STEPSCOPE_TOKEN"),
+        help="clients must present it (?token= or Authorization: Bearer); env STEPSCOPE_TOKEN",
+    )
+    add(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin allowed besides localhost ones (repeatable)",
+    )
+    add("--model", default="smollm2", help="'smollm2' or a local Hugging Face directory")
+    add("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    add("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    add("--max-extend-tokens", type=_positive, default=256, help="prompt tokens per step")
+    add("--policy", default="prefill_first", choices=POLICY_NAMES)
+    add("--page-size", type=_positive, default=1)
+    add("--cache-type", default="radix", choices=CACHE_TYPES)
+    add("--max-running-req", type=_positive, default=32)
+    add("--num-pages", type=_positive, default=None)
+    add("--max-seq-len", type=_positive, default=None)
+    add("--max-waiting", type=_positive, default=1024, help="waiting requests before `capacity`")
+    add("--history-steps", type=_positive, default=2000, help="step messages kept for hello")
+    add("--client-queue", type=_positive, default=4096, help="messages buffered per client")
+    add(
+        "--client-drop-limit",
+        type=_positive,
+        default=16384,
+        help="messages a client may lose without catching up before it is disconnected",
+    )
+    add("--trace", metavar="FILE", help="write every published message to FILE as JSON lines")
+    return p  # fmt: skip
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not is_loopback(args.host) and not args.token:
+        parser.error(f"--host {args.host} is not loopback: give --token so strangers can't connect")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    from engine import LLM
+
+    print(f"stepscope: loading {args.model} on {args.device} ...", file=sys.stderr, flush=True)
+    try:
+        llm = LLM(
+            model=args.model, device=args.device, dtype=args.dtype,
+            max_extend_tokens=args.max_extend_tokens, policy=args.policy,
+            page_size=args.page_size, cache_type=args.cache_type,
+            max_running_req=args.max_running_req, num_pages=args.num_pages,
+            max_seq_len=args.max_seq_len, progress=True,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        return 130
+    except EngineError as exc:
+        print(f"stepscope: cannot start the engine: {exc}", file=sys.stderr)
+        return 2
+    return serve(llm, args)
+
+
+def serve(llm: Any, args: argparse.Namespace) -> int:
+    """Publish `llm` and run its loop until SIGINT or SIGTERM; returns the exit status."""
+    max_frame = 2**20
+    recorder = Recorder(max_steps=args.history_steps, config=llm.config_dict())
+    engine_facts = {**llm.info.to_dict(), "max_frame_bytes": max_frame,
+                    "max_waiting": args.max_waiting}  # fmt: skip
+
+    def hello() -> dict[str, Any]:
+        return messages.hello(llm.now(), engine_facts, dict(recorder.config), recorder.history())
+
+    sinks: list[Callable[[dict[str, Any], str], None]] = [lambda msg, _text: recorder.record(msg)]
+    trace = TraceWriter(args.trace) if args.trace else None
+    if trace is not None:
+        trace.write(json.dumps(hello()))  # the header: engine facts and the starting config
+        sinks.append(trace)
+    config = PublisherConfig(
+        host=args.host, port=args.port, token=args.token,
+        allowed_origins=tuple(args.allow_origin), max_frame_bytes=max_frame,
+        client_queue=args.client_queue, drop_limit=args.client_drop_limit,
+    )  # fmt: skip
+    publisher = Publisher(config, hello=hello, sinks=sinks)
+    engine_loop = EngineLoop(llm, publisher.publish)
+    publisher.on_frame = CommandHandler(llm, engine_loop, publisher, args.max_waiting).on_frame
+    try:
+        publisher.start()
+    except OSError as exc:
+        print(f"stepscope: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: engine_loop.stop())
+    print(f"stepscope engine ready at {publisher.url}", flush=True)
+    status = 0
+    try:
+        engine_loop.run()
+    except Exception:
+        log.exception("engine step failed; shutting down")
+        status = 1
+    finally:
+        publisher.stop()
+        if trace is not None:
+            trace.close()
+    print("stepscope: engine stopped", file=sys.stderr, flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

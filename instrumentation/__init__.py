@@ -1,0 +1,7 @@
+"""Instrumentation: the protocol's messages, a bounded recorder, the WebSocket publisher, traces.
+
+Everything here speaks PROTOCOL.md messages (plain dicts) and imports neither torch nor the
+engine's model code, so a dashboard or notebook can reuse it. Import the submodules directly.
+"""
+
+PROTOCOL_VERSION = 1
