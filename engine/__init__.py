@@ -1,0 +1,27 @@
+"""stepscope's inference engine: paged KV cache, radix prefix cache, chunked prefill.
+
+`from engine import LLM, SamplingParams`. Both are imported lazily, so torch-free modules such as
+`engine.records` can be used without loading torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from engine.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Attention backends behind one small interface: torch (CPU, and CUDA fallback), FlashInfer (CUDA)."""

@@ -1,0 +1,76 @@
+"""Engine configuration: fixed at start (`EngineConfig`) and live (`LiveConfig`, changed any time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.errors import InvalidRequest
+
+POLICY_NAMES = ("prefill_first", "mixed")
+CACHE_TYPES = ("radix", "naive")
+Device = Literal["cpu", "cuda", "auto"]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_budget(v: object) -> int:
+    if not _is_int(v) or v < 1:  # type: ignore[operator]
+        raise InvalidRequest(f"max_extend_tokens must be an integer >= 1, got {v!r}")
+    return v  # type: ignore[return-value]
+
+
+def check_policy(v: object) -> str:
+    if v not in POLICY_NAMES:
+        raise InvalidRequest(f"unknown policy {v!r}; expected one of {', '.join(POLICY_NAMES)}")
+    return v  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class LiveConfig:
+    """What a user may change while the engine runs; every step reads one snapshot."""
+
+    max_extend_tokens: int
+    policy: str
+
+    def __post_init__(self) -> None:
+        check_budget(self.max_extend_tokens)
+        check_policy(self.policy)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2"
+    device: Device = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    page_size: int = 1
+    cache_type: str = "radix"
+    max_running_req: int = 32
+    num_pages: int | None = None  # None: sized from a memory budget (see LLM)
+    max_seq_len: int | None = None  # None: the model's context, at most 8192
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    cuda_graph: bool = True
+    load_format: Literal["auto", "dummy"] = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise InvalidRequest(f"device must be cpu, cuda or auto, got {self.device!r}")
+        for name in ("page_size", "max_running_req"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise InvalidRequest(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("num_pages", "max_seq_len"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise InvalidRequest(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if self.cache_type not in CACHE_TYPES:
+            raise InvalidRequest(
+                f"cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}"
+            )
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise InvalidRequest(f"unknown attention backend {self.attention_backend!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise InvalidRequest(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,496 @@
+"""LLM: the engine's front door. Offline `generate`, and the live interface a server drives:
+thread-safe `submit` / `abort` / `set_config`, one `step()` at a time, and hooks that see every
+step, token and request event in the order the protocol promises.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from engine.attention.registry import create_backend
+from engine.config import EngineConfig, LiveConfig, check_budget, check_policy
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequest, NotFound, TooLarge
+from engine.kvcache.manager import KVManager, pages_for
+from engine.kvcache.naive import NaiveCache
+from engine.kvcache.pool import KVPool
+from engine.kvcache.prefix import PrefixCache
+from engine.kvcache.radix import RadixCache
+from engine.kvcache.table import PageTable
+from engine.metrics import request_metrics
+from engine.models.loader import build_model, load_tokenizer, read_config, resolve
+from engine.records import (
+    EngineEvent,
+    KVStats,
+    QueueStats,
+    RequestEvent,
+    StepItem,
+    StepRecord,
+    TokenEvent,
+)
+from engine.request import RequestState
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.scheduler.policy import POLICIES, SchedulePolicy
+from engine.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+CPU_KV_BYTES = 1 << 30  # default KV budget on CPU; on CUDA most of the free memory
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Prompt = str | Sequence[int]
+Hook = Callable[[Any], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Facts that do not change while the engine runs (the protocol's `hello.engine`)."""
+
+    model: str
+    device: str
+    dtype: str
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    max_running_req: int
+    max_seq_len: int
+    cache_type: str
+    attention_backend: str
+    architecture: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "smollm2",
+        device: str = "cpu",
+        max_extend_tokens: int = 256,
+        page_size: int = 1,
+        cache_type: str = "radix",
+        max_running_req: int = 32,
+        num_pages: int | None = None,
+        max_seq_len: int | None = None,
+        dtype: str | None = None,
+        policy: str = "prefill_first",
+        attention_backend: str = "auto",
+        cuda_graph: bool = True,
+        load_format: str = "auto",
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        # validate everything cheap before the slow model load
+        self._live = LiveConfig(max_extend_tokens, policy)
+        cfg = EngineConfig(
+            model=str(model),
+            device=device,  # type: ignore[arg-type]
+            dtype=dtype,
+            page_size=page_size,
+            cache_type=cache_type,
+            max_running_req=max_running_req,
+            num_pages=num_pages,
+            max_seq_len=max_seq_len,
+            attention_backend=attention_backend,
+            cuda_graph=cuda_graph,
+            load_format=load_format,  # type: ignore[arg-type]
+            seed=seed,
+        )
+        self.config = cfg
+        self._t_start = time.monotonic()
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequest("device 'cuda' was asked for, but CUDA is not available")
+        dev = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device
+        self.device = torch.device("cpu" if dev == "auto" else dev)
+        dtype_name = cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = DTYPES[dtype_name]
+
+        resolved = resolve(cfg.model, progress=progress)
+        mcfg, _ = read_config(resolved.path)
+        self.model_config = mcfg
+        self.tokenizer = load_tokenizer(resolved.path, progress=progress)
+        self.max_seq_len = cfg.max_seq_len or min(mcfg.max_position_embeddings, 8192)
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(
+            resolved.path,
+            mcfg,
+            self.max_seq_len + page_size,
+            self.dtype,
+            self.device,
+            load_format=cfg.load_format,
+            progress=progress,
+            seed=cfg.seed,
+        )
+
+        self.num_pages = cfg.num_pages or self._default_num_pages()
+        self.pool = KVPool(
+            mcfg.num_layers,
+            self.num_pages,
+            page_size,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.table = PageTable(max_running_req, self.max_seq_len, page_size)
+        cache: PrefixCache = (
+            RadixCache(page_size) if cache_type == "radix" else NaiveCache(page_size)
+        )
+        self.kv = KVManager(self.num_pages, page_size, self.table, cache)
+        self.scheduler = Scheduler(self.kv)
+        backend = create_backend(
+            cfg.attention_backend,
+            self.device,
+            self.pool,
+            mcfg.num_heads,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+        )
+        self.runner = ModelRunner(self.model, self.pool, self.table, backend, self.device)
+        self._policies: dict[str, SchedulePolicy] = {n: p() for n, p in POLICIES.items()}
+        eos = set(mcfg.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.info = EngineInfo(
+            model=resolved.name,
+            device=str(self.device),
+            dtype=dtype_name,
+            vocab_size=mcfg.vocab_size,
+            page_size=page_size,
+            num_pages=self.num_pages,
+            max_running_req=max_running_req,
+            max_seq_len=self.max_seq_len,
+            cache_type=cache_type,
+            attention_backend=backend.name,
+            architecture=mcfg.architecture,
+        )
+
+        self._lock = threading.Lock()
+        self._work = threading.Event()  # set when a command arrives, for an idle loop to wake
+        self._inbox: list[tuple[str, Any]] = []
+        self._uids = itertools.count()
+        self._live_uids: set[int] = set()  # submitted and not yet ended
+        self._aborting: set[int] = set()
+        self._states: dict[int, RequestState] = {}
+        self._collect: dict[int, dict[str, Any] | None] = {}  # uids whose outputs generate() wants
+        self._step_no = 0
+        self._step_hooks: list[Hook] = []
+        self._event_hooks: list[Hook] = []
+
+    # -- facts ---------------------------------------------------------------------------
+    def now(self) -> float:
+        """Seconds on the engine's monotonic clock, 0 at engine start."""
+        return time.monotonic() - self._t_start
+
+    def config_dict(self) -> dict[str, Any]:
+        live = self._live
+        return {"max_extend_tokens": live.max_extend_tokens, "policy": live.policy}
+
+    def kv_stats(self) -> KVStats:
+        return self.kv.stats(self.scheduler.reserved_tokens())
+
+    def queue_stats(self) -> QueueStats:
+        return QueueStats(self.scheduler.num_waiting, self.scheduler.num_running)
+
+    def num_waiting(self) -> int:
+        with self._lock:
+            queued = sum(1 for kind, _ in self._inbox if kind == "submit")
+        return queued + self.scheduler.num_waiting
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until a command arrives (or the timeout passes); True if there is work."""
+        if self.has_work():
+            return True
+        self._work.wait(timeout)
+        self._work.clear()
+        return self.has_work()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.scheduler.active_rows())
+
+    def _default_num_pages(self) -> int:
+        m = self.model_config
+        per_token = KVPool.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.8)
+        else:
+            budget = CPU_KV_BYTES
+        tokens = min(budget // per_token, self.config.max_running_req * self.max_seq_len)
+        return max(
+            tokens // self.config.page_size, pages_for(self.max_seq_len, self.config.page_size)
+        )
+
+    # -- hooks ---------------------------------------------------------------------------
+    def add_step_hook(self, fn: Callable[[StepRecord], None]) -> None:
+        self._step_hooks.append(fn)
+
+    def add_event_hook(self, fn: Callable[[EngineEvent], None]) -> None:
+        """fn sees every event in protocol order: at step start `queued` / `aborted` /
+        `rejected`; after the forward the step record, its tokens, then its request events."""
+        self._event_hooks.append(fn)
+
+    def _emit(self, events: list[EngineEvent]) -> None:
+        for ev in events:
+            hooks = self._event_hooks + (self._step_hooks if isinstance(ev, StepRecord) else [])
+            for fn in hooks:
+                try:
+                    fn(ev)
+                except Exception:  # an observer must never take the engine down
+                    log.exception("step hook %r failed", fn)
+
+    # -- commands (any thread) -----------------------------------------------------------
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequest("the prompt is empty")
+            if chat:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+                return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+            raise InvalidRequest(
+                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if chat:
+            raise InvalidRequest("chat=True needs a text prompt, not token ids")
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequest(f"token ids must be integers in [0, {vocab}), got {t!r}")
+        return ids
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        total = prompt_len + max_tokens
+        if total > self.max_seq_len:
+            raise TooLarge(
+                f"{prompt_len} prompt tokens plus max_tokens={max_tokens} is {total} tokens, "
+                f"beyond max_seq_len={self.max_seq_len}"
+            )
+        need = pages_for(total, self.config.page_size)
+        if need > self.num_pages:
+            raise TooLarge(
+                f"the request needs {need} KV pages; the whole pool has {self.num_pages}"
+            )
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
+    ) -> int:
+        """Validate and queue one request; it enters the scheduler at the next step."""
+        ids, params = self._prepare(prompt, params, chat)
+        return self._enqueue(ids, params)
+
+    def _prepare(
+        self, prompt: Prompt, params: SamplingParams | None, chat: bool
+    ) -> tuple[list[int], SamplingParams]:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self.encode(prompt, chat)
+        self.check_fits(len(ids), params.max_tokens)
+        return ids, params
+
+    def _enqueue(self, ids: list[int], params: SamplingParams, collect: bool = False) -> int:
+        with self._lock:
+            uid = next(self._uids)
+            self._live_uids.add(uid)
+            if collect:
+                self._collect[uid] = None
+            self._inbox.append(("submit", (uid, ids, params)))
+        self._work.set()
+        return uid
+
+    def abort(self, uid: int) -> None:
+        """Stop a request; a step already running finishes, no later step lists it."""
+        with self._lock:
+            if uid not in self._live_uids or uid in self._aborting:
+                raise NotFound(f"no request with uid {uid} is in flight")
+            self._aborting.add(uid)
+            self._inbox.append(("abort", uid))
+        self._work.set()
+
+    def set_config(
+        self, max_extend_tokens: int | None = None, policy: str | None = None
+    ) -> dict[str, Any]:
+        """Change the budget and/or the policy from the next step on; invalid values change nothing."""
+        if max_extend_tokens is not None:
+            check_budget(max_extend_tokens)
+        if policy is not None:
+            check_policy(policy)
+        with self._lock:
+            cur = self._live
+            self._live = LiveConfig(
+                cur.max_extend_tokens if max_extend_tokens is None else max_extend_tokens,
+                cur.policy if policy is None else policy,
+            )
+        return self.config_dict()
+
+    # -- the engine loop (one thread) ----------------------------------------------------
+    def _drain_inbox(self) -> list[EngineEvent]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        events: list[EngineEvent] = []
+        t = self.now()
+        for kind, arg in inbox:
+            if kind == "submit":
+                uid, ids, params = arg
+                gen = None
+                if params.seed is not None:
+                    gen = torch.Generator(device=self.device).manual_seed(params.seed)
+                state = RequestState(
+                    uid, ids, params, t, IncrementalDetokenizer(self.tokenizer), generator=gen
+                )
+                self._states[uid] = state
+                self.scheduler.add(state)
+                events.append(
+                    RequestEvent(
+                        uid, "queued", t, {"prompt_len": len(ids), "max_tokens": params.max_tokens}
+                    )
+                )
+            else:
+                uid = arg
+                state = self.scheduler.abort(uid)
+                if state is not None:
+                    events.append(
+                        RequestEvent(uid, "aborted", t, {"output_len": len(state.output_ids)})
+                    )
+                    self._end(uid, state)
+        return events
+
+    def step(self) -> StepRecord | None:
+        """Run one engine step; None when there was nothing to do."""
+        pre = self._drain_inbox()
+        self._emit(pre)
+        live = self._live
+        t0 = self.now()
+        scheduled = self.scheduler.schedule(self._policies[live.policy], live.max_extend_tokens, t0)
+        if scheduled is None:
+            return None
+        batch = scheduled.batch
+        items = tuple(
+            StepItem(r.uid, batch.kind(r), r.cached_len, r.device_len) for r in batch.reqs
+        )
+        tokens = self.runner.run(batch)
+        t1 = self.now()
+
+        post: list[EngineEvent] = []
+        req_events = [
+            RequestEvent(r.uid, "admitted", t0, {"cached_len": r.state.cached_len})
+            for r in scheduled.admitted
+        ]
+        sampled = [r for r in batch.reqs if batch.kind(r) != "chunk"]
+        finished = []
+        for req, tok in zip(sampled, tokens, strict=True):
+            st = req.state
+            req.append_token(tok, t1)
+            post.append(TokenEvent(req.uid, t1, tok, st.detok.push(tok)))
+            if len(st.output_ids) == 1:
+                req_events.append(RequestEvent(req.uid, "first_token", t1))
+            if tok in self.eos_token_ids and not st.params.ignore_eos:
+                st.finish_reason = "eos"
+            elif len(st.output_ids) >= st.params.max_tokens:
+                st.finish_reason = "length"
+            if st.finish_reason is not None:
+                st.t_finished = t1
+                finished.append(st)
+        self.scheduler.finish_step(batch)
+        for st in finished:
+            req_events.append(
+                RequestEvent(
+                    st.uid,
+                    "finished",
+                    t1,
+                    {
+                        "output_len": len(st.output_ids),
+                        "finish_reason": st.finish_reason,
+                        "text": st.detok.text(),
+                        **self._metrics(st),
+                    },
+                )
+            )
+            self._end(st.uid, st)
+
+        record = StepRecord(
+            step=self._step_no,
+            t0=t0,
+            t1=t1,
+            phase=batch.phase,
+            budget=live.max_extend_tokens,
+            policy=live.policy,
+            items=items,
+            kv=self.kv_stats(),
+            queue=self.queue_stats(),
+        )
+        self._step_no += 1
+        self._emit([record, *post, *req_events])
+        return record
+
+    def _metrics(self, st: RequestState) -> dict[str, Any]:
+        m = request_metrics(st.t_queued, st.t_admitted, st.token_times)
+        m.pop("inter_token_latency_seconds")  # the token events carry those
+        return m
+
+    def _end(self, uid: int, state: RequestState) -> None:
+        with self._lock:
+            self._live_uids.discard(uid)
+            self._aborting.discard(uid)
+            if uid in self._collect:
+                self._collect[uid] = self._output(state)
+        self._states.pop(uid, None)
+
+    def _output(self, st: RequestState) -> dict[str, Any]:
+        return {
+            "uid": st.uid,
+            "text": st.detok.text(),
+            "token_ids": list(st.output_ids),
+            "finish_reason": st.finish_reason,
+            "prompt_len": st.prompt_len,
+            "cached_len": st.cached_len,
+            "metrics": request_metrics(st.t_queued, st.t_admitted, st.token_times),
+        }
+
+    # -- offline -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Run prompts to completion; one dict per prompt (text, token_ids, finish_reason, ...).
+        Every prompt is validated before any is queued, so a bad one changes nothing."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params")
+        prepared = [self._prepare(p, sp, chat) for p, sp in zip(prompts, params, strict=True)]
+        uids = [self._enqueue(ids, sp, collect=True) for ids, sp in prepared]
+        while any(self._collect[u] is None for u in uids):
+            if self.step() is None and not self.has_work():
+                raise RuntimeError("the engine went idle with requests unfinished")
+        with self._lock:
+            return [self._collect.pop(u) for u in uids]  # type: ignore[misc]

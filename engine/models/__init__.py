@@ -1,0 +1,1 @@
+"""Decoder-only transformer models (Llama, Qwen2, Qwen3) and their weight loading."""

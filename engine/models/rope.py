@@ -1,0 +1,60 @@
+"""Rotary position embedding: a cos/sin table indexed by position, applied as Hugging Face does."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        self.args = (head_dim, max_positions, theta, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build_table(self.cos.device)
+
+    def build_table(self, device: torch.device) -> None:
+        """(Re)compute the table, e.g. after the model was built on the meta device."""
+        head_dim, max_positions, theta, scaling = self.args
+        inv = inv_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions).float(), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hk, D]; the table is float32, cast like HF does
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,107 @@
+"""Small, plain records the engine hands to its hooks: one per step, token and request event.
+
+Each `to_dict()` is the message of the same name in PROTOCOL.md (version 1), so a publisher can
+send it as it is. The engine builds them from facts it already has; they hold no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+ItemKind = Literal["chunk", "prefill", "decode"]
+Phase = Literal["prefill", "decode", "mixed"]
+RequestEventKind = Literal["queued", "admitted", "first_token", "finished", "aborted", "rejected"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepItem:
+    """One request's share of a step: tokens `[start, end)` were computed."""
+
+    uid: int
+    kind: ItemKind
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """Pool occupancy in pages (`used + cached + free == total`); `reserved` is in tokens."""
+
+    total: int
+    used: int
+    cached: int
+    free: int
+    reserved: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    waiting: int
+    running: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    t0: float
+    t1: float
+    phase: Phase
+    budget: int
+    policy: str
+    items: tuple[StepItem, ...]
+    kv: KVStats
+    queue: QueueStats
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items if i.kind != "decode")
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for i in self.items if i.kind == "decode")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "step",
+            "step": self.step,
+            "t0": self.t0,
+            "t1": self.t1,
+            "phase": self.phase,
+            "budget": self.budget,
+            "policy": self.policy,
+            "items": [asdict(i) for i in self.items],
+            "kv": asdict(self.kv),
+            "queue": asdict(self.queue),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    uid: int
+    t: float
+    token_id: int
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "token", **asdict(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """A request's lifecycle event; `fields` carries the event's extra fields (see PROTOCOL.md)."""
+
+    uid: int
+    event: RequestEventKind
+    t: float
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "request", "uid": self.uid, "event": self.event, "t": self.t, **self.fields}
+
+
+EngineEvent = StepRecord | TokenEvent | RequestEvent

@@ -1,0 +1,100 @@
+"""Requests as the scheduler sees them: waiting (`PendingReq`), admitted (`Req`), and admitted but
+only partly prefilled (`ChunkedReq`), with the per-request facts they share (`RequestState`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.kvcache.prefix import CacheHandle
+
+FinishReason = Literal["length", "eos"]
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything about one request that outlives a single step."""
+
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    t_queued: float
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    t_admitted: float | None = None
+    cached_len: int = 0  # tokens served by the prefix cache at admission
+    finish_reason: FinishReason | None = None
+    t_finished: float | None = None
+    reserved_pages: int = 0  # pages promised at admission and not yet allocated
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(eq=False)
+class PendingReq:
+    """A request in the waiting queue; `chunked_req` remembers how far its chunking has got."""
+
+    state: RequestState
+    chunked_req: ChunkedReq | None = None
+
+    @property
+    def uid(self) -> int:
+        return self.state.uid
+
+    @property
+    def input_len(self) -> int:
+        return self.state.prompt_len
+
+
+@dataclass(eq=False)
+class Req:
+    """An admitted request in this step's batch: tokens [cached_len, device_len) are computed."""
+
+    state: RequestState
+    table_idx: int
+    cache_handle: CacheHandle
+    cached_len: int
+    device_len: int
+
+    @property
+    def uid(self) -> int:
+        return self.state.uid
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    @property
+    def can_decode(self) -> bool:
+        return True
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.state.prompt_ids + self.state.output_ids
+
+    def append_token(self, token_id: int, t: float) -> None:
+        self.state.output_ids.append(token_id)
+        self.state.token_times.append(t)
+
+
+class ChunkedReq(Req):
+    """A request only partly prefilled: it neither samples this step nor joins decode."""
+
+    @property
+    def can_decode(self) -> bool:
+        return False
+
+    def append_token(self, token_id: int, t: float) -> None:
+        raise RuntimeError(
+            "a ChunkedReq is never sampled: its logits belong to a mid-prompt position"
+        )

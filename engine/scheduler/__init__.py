@@ -1,0 +1,1 @@
+"""Scheduling: the prefill adder (budget and chunking), the policies, and the step scheduler."""

@@ -1,0 +1,30 @@
+"""Batch: the requests of one step, what kind of work each does, and the step's phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.records import ItemKind, Phase
+from engine.request import ChunkedReq, Req
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    reqs: list[Req]  # tokens [req.cached_len, req.device_len) of each are computed this step
+    decode: frozenset[int]  # uids that decode one token this step
+
+    def kind(self, req: Req) -> ItemKind:
+        if req.uid in self.decode:
+            return "decode"
+        return "chunk" if isinstance(req, ChunkedReq) else "prefill"
+
+    @property
+    def phase(self) -> Phase:
+        n_dec = len(self.decode)
+        if n_dec == len(self.reqs):
+            return "decode"
+        return "mixed" if n_dec else "prefill"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.extend_len for r in self.reqs)

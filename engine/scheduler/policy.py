@@ -1,0 +1,62 @@
+"""Scheduling policies: which requests one step holds, given the budget `max_extend_tokens`.
+
+- `prefill_first` (the chapter's rule): one kind per step. Prefill while anything waiting can be
+  admitted; decode otherwise. Decode stalls while a long prompt is chunked.
+- `mixed` (stall-free batching, Sarathi-Serve): every running request decodes one token, and what
+  is left of the budget goes to prompt chunks. Decodes are never held back by the budget; if they
+  use all of it, that step does no prompt work. Running requests end within `max_tokens`, so
+  prompt work always resumes and nothing waits forever.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from engine.request import PendingReq, Req
+from engine.scheduler.prefill import PrefillAdder
+
+
+def add_prompt_work(adder: PrefillAdder, waiting: Sequence[PendingReq]) -> list[Req]:
+    """FIFO: the head of the queue (a chunked request, if any) first; stop at the first that
+    does not fit, so a large request is not starved by smaller ones behind it."""
+    reqs: list[Req] = []
+    for pending in waiting:
+        req = adder.try_add_one(pending)
+        if req is None:
+            break
+        reqs.append(req)
+    return reqs
+
+
+class SchedulePolicy(ABC):
+    name: str
+
+    @abstractmethod
+    def select(
+        self, adder: PrefillAdder, waiting: Sequence[PendingReq], running: Sequence[Req]
+    ) -> tuple[list[Req], list[Req]]:
+        """(prompt work, decodes) for one step; the adder holds the step's budget."""
+
+
+class PrefillFirst(SchedulePolicy):
+    name = "prefill_first"
+
+    def select(
+        self, adder: PrefillAdder, waiting: Sequence[PendingReq], running: Sequence[Req]
+    ) -> tuple[list[Req], list[Req]]:
+        prompt = add_prompt_work(adder, waiting)
+        return (prompt, []) if prompt else ([], list(running))
+
+
+class Mixed(SchedulePolicy):
+    name = "mixed"
+
+    def select(
+        self, adder: PrefillAdder, waiting: Sequence[PendingReq], running: Sequence[Req]
+    ) -> tuple[list[Req], list[Req]]:
+        adder.token_budget -= len(running)  # decodes use the budget up first
+        return add_prompt_work(adder, waiting), list(running)
+
+
+POLICIES: dict[str, type[SchedulePolicy]] = {p.name: p for p in (PrefillFirst, Mixed)}

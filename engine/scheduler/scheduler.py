@@ -1,0 +1,109 @@
+"""Scheduler: the waiting queue and the running set; builds each step's batch through a policy
+and applies the step's results (chunks continue first, finished requests give their pages back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kvcache.manager import KVManager
+from engine.request import ChunkedReq, PendingReq, Req, RequestState
+from engine.scheduler.batch import Batch
+from engine.scheduler.policy import SchedulePolicy
+from engine.scheduler.prefill import PrefillAdder
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    batch: Batch
+    admitted: list[Req]
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.waiting: list[PendingReq] = []
+        self.running: list[Req] = []
+
+    # -- queue ---------------------------------------------------------------------------
+    def add(self, state: RequestState) -> None:
+        self.waiting.append(PendingReq(state))
+
+    @property
+    def num_running(self) -> int:
+        """Admitted, unfinished requests; one part-way through its chunks counts."""
+        return len(self.running) + sum(1 for p in self.waiting if p.chunked_req is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for p in self.waiting if p.chunked_req is None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def reserved_tokens(self) -> int:
+        """Promised but not yet computed: remaining prompt plus remaining max_tokens."""
+        total = 0
+        for req in self.running:
+            st = req.state
+            total += st.params.max_tokens - len(st.output_ids)
+        for p in self.waiting:
+            if p.chunked_req is not None:
+                st = p.state
+                total += st.prompt_len - p.chunked_req.cached_len + st.params.max_tokens
+        return total
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self, policy: SchedulePolicy, budget: int, now: float) -> Scheduled | None:
+        adder = PrefillAdder(budget, self.kv, now)
+        prompt, decodes = policy.select(adder, self.waiting, self.running)
+        if not prompt and not decodes:
+            return None
+        # an unfinished chunked request goes back to the head of the queue
+        chunked = [PendingReq(r.state, r) for r in prompt if isinstance(r, ChunkedReq)]
+        self.waiting = chunked + self.waiting[len(prompt) :]
+        for req in decodes:
+            req.device_len = req.cached_len + 1
+        reqs = decodes + prompt
+        for req in reqs:
+            self.kv.map_upto(req.table_idx, req.device_len)
+        return Scheduled(Batch(reqs, frozenset(r.uid for r in decodes)), adder.admitted)
+
+    def finish_step(self, batch: Batch) -> None:
+        """After the forward: the computed KV now counts as cached; finished prompts decode."""
+        still_running = [r for r in self.running if r.uid not in batch.decode or not _done(r)]
+        for req in batch.reqs:
+            req.cached_len = req.device_len
+            if req.uid not in batch.decode and req.can_decode and not _done(req):
+                still_running.append(req)
+        self.running = still_running
+        for req in batch.reqs:
+            if req.can_decode and _done(req):
+                self.release(req)
+
+    def release(self, req: Req) -> None:
+        # KV exists for every token but the last sampled one, which was never fed back
+        computed = req.all_ids[: req.cached_len]
+        self.kv.release(req.table_idx, req.cache_handle, computed)
+
+    def abort(self, uid: int) -> RequestState | None:
+        for i, p in enumerate(self.waiting):
+            if p.uid == uid:
+                del self.waiting[i]
+                if p.chunked_req is not None:  # admitted: it holds a row, pages and a lock
+                    self.release(p.chunked_req)
+                return p.state
+        for i, req in enumerate(self.running):
+            if req.uid == uid:
+                del self.running[i]
+                self.release(req)
+                return req.state
+        return None
+
+    def active_rows(self) -> list[int]:
+        rows = [r.table_idx for r in self.running]
+        return rows + [p.chunked_req.table_idx for p in self.waiting if p.chunked_req is not None]
+
+
+def _done(req: Req) -> bool:
+    return req.state.finish_reason is not None
