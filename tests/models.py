@@ -1,0 +1,51 @@
+"""Tiny random-weight Hugging Face models for tests, saved as real model directories.
+
+Weights are drawn with a large spread so that greedy choices have clear margins: exactness tests
+then compare token ids, not luck in near-ties.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TINY_COMMON = dict(
+    vocab_size=49152,  # the bundled SmolLM2 tokenizer's vocabulary
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_tiny(kind: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = LlamaConfig(**TINY_COMMON, head_dim=16, rope_theta=10000.0)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = Qwen3Config(**TINY_COMMON, head_dim=32, rope_theta=1000000.0)
+        model = Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.15)
+    model.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    return path

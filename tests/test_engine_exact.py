@@ -1,0 +1,68 @@
+"""Greedy output is identical to Hugging Face on the same weights, whatever the budget, page size,
+prefix cache or policy: chunking and mixing change the order of work, never the result."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.helpers import CHAPTER_PROMPTS, LONG, hf_greedy
+
+N_OUT = 8
+
+
+def _random_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 49152) for _ in range(40)]
+    return [
+        [rng.randrange(3, 49152) for _ in range(61)],
+        [rng.randrange(3, 49152) for _ in range(5)],
+        shared + [rng.randrange(3, 49152) for _ in range(9)],
+        shared + [rng.randrange(3, 49152) for _ in range(23)],  # shares 40 tokens with the last
+        [rng.randrange(3, 49152) for _ in range(1)],
+    ]
+
+
+def _check(llm: LLM, prompts: list, ref: list[list[int]], budgets: list[int], policy: str) -> None:
+    for budget in budgets:
+        llm.set_config(max_extend_tokens=budget, policy=policy)
+        out = llm.generate(prompts, SamplingParams(max_tokens=N_OUT, ignore_eos=True))
+        got = [o["token_ids"] for o in out]
+        assert got == ref, f"budget={budget} policy={policy}"
+        llm.check_integrity()
+    assert llm.kv_stats().used == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("cache_type", ["radix", "naive"])
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_tiny_models_match_hf(model: str, cache_type: str, page_size: int, request) -> None:
+    path = request.getfixturevalue(model)
+    prompts = _random_prompts(1)
+    ref = hf_greedy(path, prompts, N_OUT)
+    llm = LLM(str(path), page_size=page_size, cache_type=cache_type, max_running_req=4, progress=False)
+    # run twice per budget: the second pass reuses the radix cache's pages
+    _check(llm, prompts, ref, [1, 6, 16, 8192, 16], "prefill_first")
+    _check(llm, prompts, ref, [2, 7, 64], "mixed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("cache_type", ["radix", "naive"])
+def test_smollm2_matches_hf(smollm2_dir, cache_type: str, page_size: int) -> None:
+    llm = LLM("smollm2", page_size=page_size, cache_type=cache_type, max_running_req=8, progress=False)
+    prompts = [*CHAPTER_PROMPTS, LONG + "And then"]
+    ids = [llm.tokenizer(p).input_ids for p in prompts]
+    ref = hf_greedy(smollm2_dir, ids, N_OUT)
+    _check(llm, prompts, ref, [1, 6, 16, 8192], "prefill_first")
+    _check(llm, prompts, ref, [2, 7, 64], "mixed")
+
+
+@pytest.mark.slow
+def test_smollm2_chat_answer() -> None:
+    llm = LLM("smollm2", progress=False)
+    out = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=20), chat=True)
+    assert out[0]["text"] == "The capital of France is Paris."
+    assert out[0]["finish_reason"] == "eos"
