@@ -95,7 +95,8 @@ class EngineLoop:
 
     def _flush(self) -> None:
         if self._pending:
-            batch, self._pending = self._pending, []
+            batch = self._pending.copy()
+            self._pending.clear()  # the same list: the hook holds its bound `append`
             self.publish(batch)
 
     def _run_calls(self) -> None:

@@ -27,8 +27,12 @@ def _hf_greedy_one(path: str, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
     x = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0,
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
     return tuple(out[0, len(ids) :].tolist())
 

@@ -42,7 +42,9 @@ def test_tiny_models_match_hf(model: str, cache_type: str, page_size: int, reque
     path = request.getfixturevalue(model)
     prompts = _random_prompts(1)
     ref = hf_greedy(path, prompts, N_OUT)
-    llm = LLM(str(path), page_size=page_size, cache_type=cache_type, max_running_req=4, progress=False)
+    llm = LLM(
+        str(path), page_size=page_size, cache_type=cache_type, max_running_req=4, progress=False
+    )
     # run twice per budget: the second pass reuses the radix cache's pages
     _check(llm, prompts, ref, [1, 6, 16, 8192, 16], "prefill_first")
     _check(llm, prompts, ref, [2, 7, 64], "mixed")
@@ -52,7 +54,9 @@ def test_tiny_models_match_hf(model: str, cache_type: str, page_size: int, reque
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("cache_type", ["radix", "naive"])
 def test_smollm2_matches_hf(smollm2_dir, cache_type: str, page_size: int) -> None:
-    llm = LLM("smollm2", page_size=page_size, cache_type=cache_type, max_running_req=8, progress=False)
+    llm = LLM(
+        "smollm2", page_size=page_size, cache_type=cache_type, max_running_req=8, progress=False
+    )
     prompts = [*CHAPTER_PROMPTS, LONG + "And then"]
     ids = [llm.tokenizer(p).input_ids for p in prompts]
     ref = hf_greedy(smollm2_dir, ids, N_OUT)

@@ -1,0 +1,89 @@
+"""Prefix reuse through the radix cache, and the radix tree's own bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kvcache.radix import RadixCache
+from tests.helpers import Events, hf_greedy
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_shared_prefix_is_computed_once(tiny_qwen3_dir, page_size: int) -> None:
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 49152) for _ in range(100)]
+    a = prefix + [rng.randrange(3, 49152) for _ in range(20)]
+    b = prefix + [rng.randrange(3, 49152) for _ in range(15)]
+    llm = LLM(str(tiny_qwen3_dir), page_size=page_size, max_extend_tokens=32, progress=False)
+    ev = Events()
+    llm.add_event_hook(ev)
+    out_a = llm.generate([a], SamplingParams(max_tokens=6, ignore_eos=True))
+    ev.clear()
+    out_b = llm.generate([b], SamplingParams(max_tokens=6, ignore_eos=True))
+
+    admitted = ev.requests("admitted")[0]
+    assert admitted.fields["cached_len"] == 100  # 100 is a multiple of both page sizes
+    computed = sum(it.num_tokens for s in ev.steps for it in s.items if it.kind != "decode")
+    assert computed == len(b) - 100
+    first = next(s for s in ev.steps if s.phase == "prefill")
+    assert first.items[0].start == 100
+    assert out_b[0]["cached_len"] == 100
+    ref = hf_greedy(tiny_qwen3_dir, [a, b], 6)
+    assert [out_a[0]["token_ids"], out_b[0]["token_ids"]] == ref
+    llm.check_integrity()
+
+
+def test_full_match_still_computes_the_last_token(tiny_llama_dir) -> None:
+    llm = LLM(str(tiny_llama_dir), progress=False)
+    prompt = list(range(100, 140))
+    llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
+    ev = Events()
+    llm.add_event_hook(ev)
+    llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
+    first = ev.steps[0]
+    assert [(it.kind, it.start, it.end) for it in first.items] == [("prefill", 39, 40)]
+
+
+def test_radix_match_split_lock_evict() -> None:
+    cache = RadixCache(page_size=2)
+    h0, _ = cache.match([1, 2, 3, 4, 5])
+    assert h0.cached_len == 0
+    # insert [1..6] on pages 10,11,12; then a sibling sharing the first page
+    assert cache.donate(h0, [1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13]) == [13]
+    h1, pages = cache.match([1, 2, 3, 4, 9, 9, 9])
+    assert (h1.cached_len, pages) == (4, [10, 11])  # matched inside a node: split at a page
+    cache.lock(h1)
+    assert cache.evictable_pages == 1 and cache.locked_pages == 2
+    assert sorted(cache.evict(10)) == [12]  # only the unlocked tail can go
+    assert cache.evict(10) == []
+    freed = cache.donate(h1, [1, 2, 3, 4, 9, 9, 9], [10, 11, 20, 21])
+    assert freed == [21]  # pages 10, 11 are the tree's own; page 20 is now cached
+    assert cache.evictable_pages == 3 and cache.locked_pages == 0
+    locked, unlocked = cache.pages()
+    assert locked == [] and sorted(unlocked) == [10, 11, 20]
+
+
+def test_radix_duplicate_insert_returns_duplicate_pages() -> None:
+    cache = RadixCache(page_size=1)
+    h, _ = cache.match([5, 6, 7])
+    assert cache.donate(h, [5, 6, 7], [0, 1, 2]) == []
+    # a second request computed the same tokens on its own pages before the first finished
+    h2 = cache.match([9])[0]
+    assert cache.donate(h2, [5, 6, 7, 8], [3, 4, 5, 6]) == [3, 4, 5]
+
+
+def test_eviction_under_pressure_keeps_integrity(tiny_llama_dir) -> None:
+    # a pool barely larger than one request: every new prompt must evict cached pages
+    llm = LLM(str(tiny_llama_dir), num_pages=64, max_seq_len=64, progress=False)
+    rng = random.Random(9)
+    for _ in range(6):
+        llm.generate(
+            [[rng.randrange(3, 49152) for _ in range(40)]],
+            SamplingParams(max_tokens=8, ignore_eos=True),
+        )
+        llm.check_integrity()
+        st = llm.kv_stats()
+        assert st.used == 0 and st.cached + st.free == st.total
