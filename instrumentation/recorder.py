@@ -36,6 +36,7 @@ class RequestRecord:
     t_queued: float | None = None
     t_admitted: float | None = None
     t_first_token: float | None = None
+    t_last_token: float | None = None
     t_finished: float | None = None
     finish_reason: str | None = None
     message: str | None = None
@@ -67,7 +68,7 @@ class RequestRecord:
             "t_queued": self.t_queued,
             "t_admitted": self.t_admitted,
             "t_first_token": self.t_first_token,
-            "t_last_token": self.token_times[-1] if self.token_times else None,
+            "t_last_token": self.t_last_token,
             "t_finished": self.t_finished,
             "finish_reason": self.finish_reason,
             "message": self.message,
@@ -151,6 +152,7 @@ class Recorder:
         if rec is None:  # its queued event predates what we saw; nothing to attach to
             return
         rec.token_times.append(msg["t"])
+        rec.t_last_token = msg["t"]
         rec.pieces.append(msg.get("text", ""))
         rec.output_len += 1
 
@@ -193,7 +195,7 @@ def _record_from_dict(row: dict[str, Any]) -> RequestRecord:
     rec = RequestRecord(uid=row["uid"], state=row.get("state", "waiting"))
     for name in (
         "prompt_len", "cached_len", "max_tokens", "t_queued", "t_admitted", "t_first_token",
-        "t_finished", "finish_reason", "message",
+        "t_last_token", "t_finished", "finish_reason", "message",
     ):  # fmt: skip
         setattr(rec, name, row.get(name))
     rec.output_len = row.get("output_len") or 0

@@ -48,7 +48,9 @@ def test_every_client_gets_hello_then_all_messages_in_order(publisher: Publisher
     a, b = ProtoClient(publisher.url), ProtoClient(publisher.url)
     assert a.hello["engine"] == {"model": "fake"} and a.hello["protocol"] == 1
     for k in range(50):
-        publisher.publish([{"type": "token", "uid": 0, "n": k * 2}, {"type": "token", "uid": 0, "n": k * 2 + 1}])
+        publisher.publish(
+            [{"type": "token", "uid": 0, "n": k * 2}, {"type": "token", "uid": 0, "n": k * 2 + 1}]
+        )
     for c in (a, b):
         got = [c.recv()["n"] for _ in range(100)]
         assert got == list(range(100))

@@ -143,7 +143,9 @@ class ServerProcess:
 
 
 @contextmanager
-def running_server(model: str | Path, *extra: str, trace: Path | None = None) -> Iterator[ServerProcess]:
+def running_server(
+    model: str | Path, *extra: str, trace: Path | None = None
+) -> Iterator[ServerProcess]:
     server = ServerProcess(model, *extra, trace=trace)
     try:
         yield server

@@ -114,4 +114,7 @@ def test_hello_history_steps_are_included() -> None:
     step = session()[3]
     hello = messages.hello(1.0, {"model": "m"}, {}, {"steps": [step], "requests": []})
     trace = to_chrome_trace([hello])
-    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"] == ["prefill #0", "chunk [0:4)"]
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"] == [
+        "prefill #0",
+        "chunk [0:4)",
+    ]
