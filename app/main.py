@@ -1,0 +1,392 @@
+"""stepscope's dashboard: `streamlit run app/main.py`, then watch an engine schedule, step by step.
+
+The page is a thin protocol client (PROTOCOL.md): one background connection per app process
+(`engine_link`, a cached resource) feeds every browser tab; fragments redraw the live parts
+every second. If nothing answers at a local URL, the app starts `python -m engine.server`.
+
+Environment: STEPSCOPE_URL (default ws://127.0.0.1:8765), STEPSCOPE_MODEL (default smollm2),
+STEPSCOPE_AUTOSTART (0 turns the auto-start off), STEPSCOPE_ENGINE_ARGS (extra server flags).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+# `streamlit run app/main.py` puts app/ on sys.path, not the project root that holds `app`.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import streamlit as st  # noqa: E402
+
+from app import controls, export, panels, session, workloads  # noqa: E402
+from app.client import EngineLink, valid_url  # noqa: E402
+from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
+
+DEFAULT_URL = os.environ.get("STEPSCOPE_URL", "ws://127.0.0.1:8765")
+MODEL = os.environ.get("STEPSCOPE_MODEL", "smollm2")
+AUTOSTART = os.environ.get("STEPSCOPE_AUTOSTART", "1") != "0"
+ENGINE_ARGS = tuple(shlex.split(os.environ.get("STEPSCOPE_ENGINE_ARGS", "")))
+REFRESH_S = 1.0
+DEFAULT_BUDGET = 256
+
+
+def _close_link(link: EngineLink) -> None:
+    link.close()
+
+
+@st.cache_resource(max_entries=1, on_release=_close_link, show_spinner=False)
+def engine_link(url: str) -> EngineLink:
+    """The process's one connection; changing the URL releases (closes) the previous one."""
+    return EngineLink(url).start()
+
+
+@st.cache_resource(show_spinner=False)
+def engine_launcher() -> Launcher:
+    return Launcher()
+
+
+def _argv(url: str) -> list[str]:
+    return engine_argv(local_port(url) or 8765, MODEL, ENGINE_ARGS)
+
+
+# ---- callbacks (run before the script, so widget state can still be changed) -----------------
+
+
+def _apply_config(link: EngineLink, **fields: object) -> None:
+    try:
+        command = controls.set_config(**fields)  # type: ignore[arg-type]
+    except ValueError as exc:
+        session.notify(False, str(exc))
+        return
+    reply = session.send(link, command, "set_config")
+    if reply is not None and reply.get("type") == "config":
+        st.session_state["synced_config"] = {
+            "max_extend_tokens": reply.get("max_extend_tokens"),
+            "policy": reply.get("policy"),
+        }
+
+
+def _on_budget_slider(link: EngineLink) -> None:
+    value = int(st.session_state["budget_slider"])
+    st.session_state["budget_exact"] = value
+    _apply_config(link, max_extend_tokens=value)
+
+
+def _on_budget_exact(link: EngineLink) -> None:
+    value = int(st.session_state["budget_exact"])
+    st.session_state["budget_slider"] = value
+    _apply_config(link, max_extend_tokens=value)
+
+
+def _on_policy(link: EngineLink) -> None:
+    _apply_config(link, policy=st.session_state["policy"])
+
+
+def _start_preset(link: EngineLink, preset: workloads.Preset) -> None:
+    runs = st.session_state.setdefault("preset_runs", [])
+    runs.append(workloads.PresetRun(preset).start(link))
+    del runs[:-3]
+    session.notify(True, f"workload “{preset.title}” started")
+
+
+def _clear(link: EngineLink) -> None:
+    link.store.clear()
+    st.session_state["frozen"] = link.store.snapshot() if not session.is_live() else None
+    st.session_state.pop("inspect", None)
+    session.notify(True, "history cleared (the engine keeps running)")
+
+
+def _restart_engine(launcher: Launcher, url: str) -> None:
+    launcher.restart(_argv(url))
+
+
+# ---- sidebar ----------------------------------------------------------------------------------
+
+
+def _sync_controls(config: dict | None) -> None:
+    """Make the controls show the engine's config when it changed elsewhere (preset, other tab)."""
+    ss = st.session_state
+    ss.setdefault("budget_exact", DEFAULT_BUDGET)
+    ss.setdefault("budget_slider", ss["budget_exact"])
+    ss.setdefault("policy", controls.POLICIES[0])
+    if config and config.get("max_extend_tokens") and ss.get("synced_config") != config:
+        ss["synced_config"] = dict(config)
+        ss["budget_exact"] = ss["budget_slider"] = int(config["max_extend_tokens"])
+        if config.get("policy") in controls.POLICIES:
+            ss["policy"] = config["policy"]
+
+
+def connection_badge(link: EngineLink) -> None:
+    status = link.status()
+    engine = link.store.snapshot(last_steps=0).engine or {}
+    if status.state == "connected":
+        st.markdown(f"🟢 **connected** · `{link.url}`")
+        if engine:
+            st.caption(
+                f"{engine.get('model', '?')} · {engine.get('device', '?')} · "
+                f"{engine.get('dtype', '?')} · {engine.get('num_pages', 0):,} pages × "
+                f"{engine.get('page_size', 1)} · {engine.get('cache_type', '')} cache"
+            )
+    elif status.state == "connecting":
+        st.markdown(f"🟡 **connecting** · `{link.url}`")
+    else:
+        st.markdown(f"🔴 **not connected** · `{link.url}`")
+
+
+def sidebar(link: EngineLink | None) -> None:
+    with st.sidebar:
+        st.subheader("Engine")
+        st.text_input("Engine URL", key="url", help="A stepscope engine server (PROTOCOL.md).")
+        if link is None:
+            return
+        st.fragment(connection_badge, run_every=REFRESH_S * 2)(link)
+
+        st.subheader("Scheduling")
+        _sync_controls(link.store.snapshot(last_steps=0).config)
+        left, right = st.columns([3, 1.3])
+        left.select_slider(
+            "max_extend_tokens",
+            options=controls.budget_options(st.session_state["budget_exact"]),
+            key="budget_slider",
+            on_change=_on_budget_slider,
+            args=(link,),
+            help="Prompt tokens per step (the chunk size). Applies from the next step.",
+        )
+        right.number_input(
+            "exact",
+            min_value=1,
+            step=1,
+            key="budget_exact",
+            on_change=_on_budget_exact,
+            args=(link,),
+            help="Any exact budget ≥ 1.",
+        )
+        st.radio(
+            "Policy",
+            controls.POLICIES,
+            format_func=controls.POLICY_LABELS.__getitem__,
+            key="policy",
+            on_change=_on_policy,
+            args=(link,),
+            captions=[
+                "one kind per step: decode waits while a prompt is chunked",
+                "decodes ride along in every step; prompts get the rest",
+            ],
+        )
+
+        st.subheader("Workloads")
+        for preset in workloads.PRESETS:
+            st.button(
+                preset.title,
+                key=f"preset-{preset.key}",
+                help=preset.help,
+                on_click=_start_preset,
+                args=(link, preset),
+                width="stretch",
+            )
+
+        st.subheader("View")
+        st.session_state.setdefault("live", True)
+        st.toggle(
+            "Live",
+            key="live",
+            on_change=session.freeze,
+            args=(link,),
+            help="Pause to freeze the charts: zoom and hover without updates undoing it.",
+        )
+        st.session_state.setdefault("window", session.DEFAULT_WINDOW)
+        st.select_slider("Steps in view", options=session.WINDOWS, key="window")
+        st.radio("x axis", ("step", "time"), key="xmode", horizontal=True)
+
+        st.subheader("Session")
+        st.button("Clear history", on_click=_clear, args=(link,), width="stretch")
+        left, right = st.columns(2)
+        left.download_button(
+            "Trace (JSONL)",
+            data=lambda: export.jsonl_bytes(link.store.log()),
+            file_name="stepscope-session.jsonl",
+            mime="application/jsonl",
+            on_click="ignore",
+            help="Every recorded protocol message, one JSON object a line.",
+        )
+        right.download_button(
+            "Chrome trace",
+            data=lambda: export.chrome_trace_bytes(link.store.log()),
+            file_name="stepscope-session.trace.json",
+            mime="application/json",
+            on_click="ignore",
+            help="Open in ui.perfetto.dev: one track per request, one of engine steps.",
+        )
+
+
+# ---- main area --------------------------------------------------------------------------------
+
+
+def connection_panel(link: EngineLink, launcher: Launcher) -> None:
+    """Loading progress, a lost engine, or a dead one, said plainly, with a way out."""
+    url = link.url
+    status = link.status()
+    proc = launcher.process
+    if should_autostart(
+        url, status.ever_connected, status.failed_attempts, AUTOSTART, proc is not None
+    ):
+        proc = launcher.start(_argv(url))
+    if status.state == "connected":
+        return
+    if proc is not None and proc.state == "starting":
+        progress = proc.progress
+        st.info(f"Starting the engine: `{shlex.join(proc.argv[1:])}` (pid {proc.pid}).")
+        if progress is not None:
+            st.progress(progress.fraction, text=f"{progress.label}: {progress.fraction:.0%}")
+        st.code("\n".join(proc.tail(10)) or "(waiting for the engine's first output)")
+    elif proc is not None and proc.state == "ready":
+        st.info(f"The engine is up at {proc.ready_url}; connecting…")
+    elif proc is not None and proc.state == "exited":
+        st.error(f"The engine process exited with code {proc.returncode}. Its last output:")
+        st.code("\n".join(proc.tail(12)) or "(no output)")
+        st.button(
+            "Restart the engine",
+            type="primary",
+            on_click=_restart_engine,
+            args=(launcher, url),
+            key="restart-engine",
+        )
+    elif status.state == "connecting":
+        st.info(f"Connecting to {url}…")
+    else:
+        lost = "Lost the engine" if status.ever_connected else "Nothing answers"
+        st.warning(f"{lost} at {url}: {status.error} Retrying every second.")
+        if local_port(url) is not None:
+            st.button(
+                f"Start an engine here ({MODEL})",
+                on_click=lambda: launcher.start(_argv(url)),
+                key="start-engine",
+            )
+
+
+def status_strip(link: EngineLink) -> None:
+    snap = session.view_snapshot(link)
+    panels.metrics_row(snap)
+    for run in st.session_state.get("preset_runs", [])[-2:]:
+        total = len(run.preset.actions)
+        line = f"Workload “{run.preset.title}”: {run.done_actions}/{total} steps sent"
+        if run.uids:
+            line += f" · requests {', '.join(map(str, run.uids))}"
+        if run.waiting_for:
+            line += f" · {run.waiting_for}"
+        st.caption(("✅ " if run.finished and not run.errors else "▶ ") + line)
+        for err in run.errors:
+            st.error(f"Workload “{run.preset.title}”: {err}")
+
+
+def prompt_form(link: EngineLink) -> None:
+    with st.form("prompt", border=True):
+        text = st.text_area(
+            "Prompt",
+            key="prompt_text",
+            height=80,
+            placeholder="Type a prompt, or pick a workload in the sidebar…",
+        )
+        c = st.columns([1, 1, 1, 1, 1, 1.2])
+        max_tokens = c[0].number_input("max_tokens", min_value=1, value=64, step=1)
+        temperature = c[1].number_input(
+            "temperature", min_value=0.0, value=0.0, step=0.1, help="0 is greedy."
+        )
+        copies = c[2].number_input("copies", min_value=1, max_value=controls.MAX_COPIES, value=1)
+        chat = c[3].toggle("chat template", value=True)
+        ignore_eos = c[4].toggle("ignore EOS", value=False)
+        submitted = c[5].form_submit_button("Submit", type="primary", width="stretch")
+    if not submitted:
+        return
+    try:
+        command = controls.submit(text or "", int(max_tokens), float(temperature), chat, ignore_eos)
+        commands = controls.submit_copies(command, int(copies))
+    except ValueError as exc:
+        session.notify(False, str(exc))
+        return
+    ids = []
+    for cmd in commands:
+        try:
+            ids.append(link.send(cmd))
+        except RuntimeError as exc:
+            session.notify(False, f"submit: {exc}")
+            return
+    uids, errors = [], []
+    for cid in ids:
+        ok, msg = controls.describe_reply(reply := link.store.wait_reply(cid, 3.0))
+        if ok and reply is not None:
+            uids.append(str(reply["uid"]))
+        else:
+            errors.append(msg)
+    if uids:
+        session.notify(True, f"submitted: request {', '.join(uids)}")
+    for msg in errors:
+        session.notify(False, f"submit: {msg}")
+
+
+def notices_line() -> None:
+    for ok, text in st.session_state.pop("unshown_toasts", []):
+        st.toast(text, icon="✅" if ok else "⚠️")
+    items = session.notices()
+    if not items:
+        return
+    last = items[-1]
+    (st.success if last.ok else st.error)(last.text)
+
+
+def views(link: EngineLink, launcher: Launcher) -> None:
+    snap = session.view_snapshot(link)
+    connection_panel(link, launcher)
+    if link.status().state != "connected" and not snap.steps:
+        return  # the loading progress above is the page until the engine is up
+    tabs = st.tabs(["Timeline", "KV cache", "Latency", "Requests"], key="tab", on_change="rerun")
+    policy = (snap.config or {}).get("policy")
+    if tabs[0].open:
+        with tabs[0]:
+            panels.timeline_view(snap, policy)
+            frozen = st.session_state.get("frozen")
+            if not session.is_live() and frozen is not None:
+                panels.inspect_slider(frozen)
+            panels.outputs_view(snap.requests)
+    if tabs[1].open:
+        with tabs[1]:
+            panels.kv_view(snap)
+    if tabs[2].open:
+        with tabs[2]:
+            panels.latency_view(snap)
+    if tabs[3].open:
+        with tabs[3]:
+            panels.requests_view(link, snap)
+
+
+def main() -> None:
+    st.set_page_config(page_title="stepscope", page_icon="🔭", layout="wide")
+    st.session_state.setdefault("url", DEFAULT_URL)
+    url = st.session_state["url"].strip()
+    problem = valid_url(url)
+    link = None if problem else engine_link(url)
+    launcher = engine_launcher()
+    sidebar(link)
+
+    st.markdown("## 🔭 stepscope")
+    st.caption(
+        "An LLM inference engine, step by step: which requests share each batch, where prompts "
+        "are cut into chunks, how full the KV cache is, and when decoding stalls."
+    )
+    if link is None:
+        st.error(problem or "No engine URL.")
+        return
+    every = REFRESH_S if session.is_live() else None
+    if not session.is_live():
+        st.info("Paused: the charts are frozen so you can zoom and hover. Switch Live back on.")
+    st.fragment(status_strip, run_every=every)(link)
+    prompt_form(link)
+    notices_line()
+    st.fragment(views, run_every=every)(link, launcher)
+
+
+main()

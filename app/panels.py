@@ -1,0 +1,261 @@
+"""The page's live views: metric row, timeline, KV cache, latency and requests.
+
+Each function draws one view from a snapshot; `app/main.py` wraps them in fragments that rerun
+every second while live. Figures come from `app.figures` (pure) and are memoized per tab on the
+data's version, so an idle engine costs no rebuilds and a chart keeps its zoom.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from app import controls, figures, session
+from app.client import EngineLink
+from app.derive import headline
+from app.state import Message, Snapshot
+
+PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
+
+TIMELINE_CAPTION = (
+    "Each bar is one engine step, stacked by request (a request keeps its colour in every "
+    "chart). **Hatched**: prompt tokens; a `chunk` leaves the prompt unfinished, the `prefill` "
+    "piece finishes it and samples the first token. **Solid**: one decode token. **Dashed**: "
+    "`max_extend_tokens`, which bounds a step's prompt tokens. Below, one lane per request: "
+    "grey waiting, hatched chunks labelled `[start:end)`, solid decoding, **red** stalls."
+)
+POLICY_CAPTIONS = {
+    "prefill_first": (
+        "Now **prefill-first**: a step runs one kind only, so no request decodes while a prompt "
+        "is chunked (red): “there is no decode at all while the long prompt is being prefilled "
+        "in chunks” (chapter 10, *The cost*)."
+    ),
+    "mixed": (
+        "Now **mixed** (stall-free batching, Sarathi-Serve): every running request decodes one "
+        "token each step and what is left of the budget goes to prompt chunks, so decode never "
+        "stalls; a step carrying a chunk is only slower."
+    ),
+}
+KV_CAPTION = (
+    "The paged KV pool, in pages: **used** by requests in flight, **cached** only by the prefix "
+    "cache (evictable; a repeated prompt prefix is served from it), **free**. The dotted line is "
+    "what admitted requests are promised but have not allocated yet (remaining prompt plus "
+    "remaining max_tokens), converted from tokens to pages. Chunking bounds how much a single "
+    "step allocates, not how much a prompt needs."
+)
+PROGRESS_CAPTION = (
+    "Tokens generated so far, all requests (black) and each request (its colour). A **flat "
+    "stretch is a generation stall**: the engine computed prompt chunks and no running request "
+    "got a token (the picture of Sarathi-Serve's generation stalls). Under mixed the line keeps "
+    "climbing."
+)
+ITL_CAPTION = (
+    "Time from each request's previous token to this one. **Red points** came after skipped "
+    "steps: the request was running but left out of the batch (a stall). The tail of this is "
+    "what a chatting user feels as a freeze."
+)
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _pair(a: float | None, b: float | None) -> str:
+    return "–" if a is None else f"{_seconds(a)} / {_seconds(b)}"
+
+
+def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> None:
+    """Draw a figure, rebuilding it only when its inputs changed since this tab last drew it."""
+    memo: dict[str, tuple[tuple, go.Figure]] = st.session_state.setdefault("figure_memo", {})
+    hit = memo.get(name)
+    if hit is None or hit[0] != key:
+        hit = memo[name] = (key, build())
+    st.plotly_chart(hit[1], key=f"chart-{name}", config=PLOT_CONFIG)
+
+
+def _memo_key(snap: Snapshot, *extra: object) -> tuple:
+    first = snap.steps[0]["step"] if snap.steps else None
+    return (snap.version, len(snap.steps), first, *extra)
+
+
+# ---- metric row -------------------------------------------------------------------------------
+
+
+def metrics_row(snap: Snapshot) -> None:
+    h = headline(snap.steps, snap.requests)
+    cols = st.columns(7)
+    cols[0].metric("tokens / s", "–" if h.tokens_per_s is None else f"{h.tokens_per_s:.1f}",
+                   help="Generated tokens per second over the last 10 s of engine time.")  # fmt: skip
+    cols[1].metric("TTFT p50 / p99", _pair(h.ttft_p50, h.ttft_p99),
+                   help="Time to first token: from queued to the first sampled token.")  # fmt: skip
+    cols[2].metric("ITL p50 / p99", _pair(h.itl_p50, h.itl_p99),
+                   help="Inter-token latency of the requests in view.")  # fmt: skip
+    worst = "none" if h.worst_stall is None else _seconds(h.worst_stall)
+    cols[3].metric(
+        "worst stall",
+        worst,
+        delta=None if h.worst_stall_uid is None else f"request {h.worst_stall_uid}",
+        delta_color="red",
+        delta_arrow="off",
+        help="The longest wait of a running request that was left out of steps.",
+    )
+    kv = "–" if h.kv_used is None else f"{h.kv_used:.1%} used"
+    cached = None if h.kv_cached is None else f"{h.kv_cached:.1%} cached"
+    cols[4].metric("KV pool", kv, delta=cached, delta_color="off", delta_arrow="off")
+    cols[5].metric("running / waiting", f"{h.running} / {h.waiting}")
+    last = snap.steps[-1] if snap.steps else None
+    cols[6].metric(
+        "last step",
+        "–" if last is None else f"#{last['step']}",
+        delta=None if last is None else f"{last['phase']} · budget {last['budget']}",
+        delta_color="off",
+        delta_arrow="off",
+    )
+
+
+# ---- timeline ---------------------------------------------------------------------------------
+
+
+def timeline_view(snap: Snapshot, policy: str | None) -> None:
+    xmode = st.session_state.get("xmode", "step")
+    st.caption(TIMELINE_CAPTION + " " + POLICY_CAPTIONS.get(policy or "", ""))
+    chart(
+        "timeline",
+        _memo_key(snap, xmode),
+        lambda: figures.timeline_figure(snap.steps, snap.requests, x=xmode),
+    )
+
+
+def inspect_slider(frozen: Snapshot) -> None:
+    """While paused: choose which recorded steps to draw (a server-side zoom)."""
+    if len(frozen.steps) < 2:
+        return
+    lo, hi = frozen.steps[0]["step"], frozen.steps[-1]["step"]
+    n = session.window_steps() or (hi - lo + 1)
+    st.slider(
+        "Inspect recorded steps (paused)",
+        min_value=lo,
+        max_value=hi,
+        value=st.session_state.get("inspect") or (max(lo, hi - n + 1), hi),
+        key="inspect",
+    )
+
+
+def outputs_view(requests: Sequence[Message], limit: int = 8) -> None:
+    """The newest requests' output text as it streams, in each request's colour."""
+    live = [r for r in requests if r.get("state") in ("waiting", "running")]
+    ended = [r for r in requests if r.get("state") not in ("waiting", "running")]
+    shown = (live + ended[::-1])[:limit]
+    if not shown:
+        return
+    rows = []
+    for r in shown:
+        color = figures.request_color(int(r["uid"]))
+        text = html.escape(r.get("text") or "")
+        if not text:
+            text = "<i style='color:#888'>(no output yet)</i>"
+        rows.append(
+            f"<div style='margin:2px 0'><span style='color:{color};font-weight:600'>"
+            f"■ req {r['uid']}</span> <span style='color:#888'>{r.get('state')}</span> · {text}"
+            "</div>"
+        )
+    st.markdown("**Output as it streams**")
+    st.markdown("\n".join(rows), unsafe_allow_html=True)
+
+
+# ---- KV cache ---------------------------------------------------------------------------------
+
+
+def kv_view(snap: Snapshot) -> None:
+    xmode = st.session_state.get("xmode", "step")
+    engine = snap.engine or {}
+    pool = (
+        f"Pool: {engine.get('num_pages', '?'):,} pages × {snap.page_size} token(s), "
+        f"{engine.get('cache_type', 'prefix')} cache."
+        if engine
+        else ""
+    )
+    st.caption(KV_CAPTION + " " + pool)
+    chart(
+        "kv",
+        _memo_key(snap, xmode),
+        lambda: figures.kv_figure(snap.steps, page_size=snap.page_size, x=xmode),
+    )
+
+
+# ---- latency ----------------------------------------------------------------------------------
+
+
+def latency_view(snap: Snapshot) -> None:
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**Decode progress**")
+        st.caption(PROGRESS_CAPTION)
+        chart(
+            "progress",
+            _memo_key(snap),
+            lambda: figures.decode_progress_figure(snap.steps, snap.requests),
+        )
+    with right:
+        st.markdown("**Inter-token latency**")
+        st.caption(ITL_CAPTION)
+        chart("itl", _memo_key(snap), lambda: figures.itl_figure(snap.steps, snap.requests))
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+def _abort(link: EngineLink, uid: int) -> None:
+    session.send(link, controls.abort(uid), f"abort request {uid}")
+
+
+def requests_view(link: EngineLink, snap: Snapshot) -> None:
+    live = [r for r in snap.requests if r.get("state") in ("waiting", "running")]
+    if live:
+        st.markdown("**In flight**")
+    for r in live:
+        uid = int(r["uid"])
+        color = figures.request_color(uid)
+        c1, c2, c3 = st.columns([1.2, 6, 1])
+        c1.markdown(
+            f"<span style='color:{color};font-weight:600'>■ req {uid}</span> · {r['state']}",
+            unsafe_allow_html=True,
+        )
+        done = int(r.get("output_len") or 0)
+        c2.caption(
+            f"{done}/{r.get('max_tokens') or '?'} tokens · prompt {r.get('prompt_len') or '?'}"
+            f" · {html.escape((r.get('text') or '')[-160:])}"
+        )
+        c3.button(
+            "Abort",
+            key=f"abort-{uid}",
+            on_click=_abort,
+            args=(link, uid),
+            help=f"Send abort for request {uid}",
+        )
+    if not snap.requests:
+        st.info("No requests yet.")
+        return
+    rows = []
+    for r in snap.requests[::-1]:
+        tq, tf, te = r.get("t_queued"), r.get("t_first_token"), r.get("t_finished")
+        rows.append(
+            {
+                "uid": r["uid"],
+                "state": r.get("state"),
+                "prompt": r.get("prompt_len"),
+                "cached": r.get("cached_len"),
+                "output": r.get("output_len"),
+                "max_tokens": r.get("max_tokens"),
+                "TTFT (s)": None if tf is None or tq is None else round(tf - tq, 3),
+                "latency (s)": None if te is None or tq is None else round(te - tq, 3),
+                "text": r.get("text") or r.get("message") or "",
+            }
+        )
+    st.dataframe(pd.DataFrame(rows), hide_index=True, height=min(600, 40 + 35 * len(rows)))
