@@ -332,6 +332,7 @@ def _lane_parts(
     axis: StepAxis,
     max_lanes: int,
     yaxis: str = "y",
+    legend_all: bool = True,
 ) -> tuple[list[dict], dict[str, Any], list[int]]:
     all_tracks = tracks(steps)
     by_uid = _requests_by_uid(requests)
@@ -416,6 +417,8 @@ def _lane_parts(
             "hovertemplate": "%{y} · %{customdata}<extra></extra>",
             "width": 0.62 if kind != "waiting" else 0.3,
             "yaxis": yaxis,
+            # Under the batch chart, chunks and decodes already have legend entries.
+            "showlegend": legend_all or kind in ("waiting", "stall"),
         }
         if kind == "chunk":
             trace |= {
@@ -480,7 +483,9 @@ def timeline_figure(
     axis = step_axis(steps, x)
     all_stalls = stalls(steps, tracks(steps), _requests_by_uid(requests))
     batch, batch_layout = _batch_parts(steps, axis, stalled_per_step(len(steps), all_stalls))
-    lanes, lane_layout, uids = _lane_parts(steps, requests, axis, max_lanes, yaxis="y2")
+    lanes, lane_layout, uids = _lane_parts(
+        steps, requests, axis, max_lanes, yaxis="y2", legend_all=False
+    )
     lane_px = 26 * max(len(uids), 3)
     batch_px = 300
     height = batch_px + lane_px + 130

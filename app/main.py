@@ -44,7 +44,11 @@ def engine_link(url: str) -> EngineLink:
     return EngineLink(url).start()
 
 
-@st.cache_resource(show_spinner=False)
+def _stop_launcher(launcher: Launcher) -> None:
+    launcher.stop()
+
+
+@st.cache_resource(on_release=_stop_launcher, show_spinner=False)
 def engine_launcher() -> Launcher:
     return Launcher()
 
@@ -124,7 +128,7 @@ def connection_badge(link: EngineLink) -> None:
     status = link.status()
     engine = link.store.snapshot(last_steps=0).engine or {}
     if status.state == "connected":
-        st.markdown(f"🟢 **connected** · `{link.url}`")
+        st.markdown(f":green[●] **connected** · `{link.url}`")
         if engine:
             st.caption(
                 f"{engine.get('model', '?')} · {engine.get('device', '?')} · "
@@ -132,9 +136,9 @@ def connection_badge(link: EngineLink) -> None:
                 f"{engine.get('page_size', 1)} · {engine.get('cache_type', '')} cache"
             )
     elif status.state == "connecting":
-        st.markdown(f"🟡 **connecting** · `{link.url}`")
+        st.markdown(f":orange[●] **connecting** · `{link.url}`")
     else:
-        st.markdown(f"🔴 **not connected** · `{link.url}`")
+        st.markdown(f":red[●] **not connected** · `{link.url}`")
 
 
 def sidebar(link: EngineLink | None) -> None:
@@ -278,7 +282,8 @@ def status_strip(link: EngineLink) -> None:
             line += f" · requests {', '.join(map(str, run.uids))}"
         if run.waiting_for:
             line += f" · {run.waiting_for}"
-        st.caption(("✅ " if run.finished and not run.errors else "▶ ") + line)
+        done = run.finished and not run.errors
+        st.caption((":material/check_circle: " if done else ":material/play_circle: ") + line)
         for err in run.errors:
             st.error(f"Workload “{run.preset.title}”: {err}")
 
@@ -292,13 +297,15 @@ def prompt_form(link: EngineLink) -> None:
             placeholder="Type a prompt, or pick a workload in the sidebar…",
         )
         c = st.columns([1, 1, 1, 1, 1, 1.2])
-        max_tokens = c[0].number_input("max_tokens", min_value=1, value=64, step=1)
+        max_tokens = c[0].number_input("max_tokens", min_value=1, value=64, key="max_tokens")
         temperature = c[1].number_input(
-            "temperature", min_value=0.0, value=0.0, step=0.1, help="0 is greedy."
+            "temperature", min_value=0.0, value=0.0, step=0.1, key="temperature", help="0: greedy."
         )
-        copies = c[2].number_input("copies", min_value=1, max_value=controls.MAX_COPIES, value=1)
-        chat = c[3].toggle("chat template", value=True)
-        ignore_eos = c[4].toggle("ignore EOS", value=False)
+        copies = c[2].number_input(
+            "copies", min_value=1, max_value=controls.MAX_COPIES, value=1, key="copies"
+        )
+        chat = c[3].toggle("chat template", value=True, key="chat")
+        ignore_eos = c[4].toggle("ignore EOS", value=False, key="ignore_eos")
         submitted = c[5].form_submit_button("Submit", type="primary", width="stretch")
     if not submitted:
         return
@@ -330,7 +337,7 @@ def prompt_form(link: EngineLink) -> None:
 
 def notices_line() -> None:
     for ok, text in st.session_state.pop("unshown_toasts", []):
-        st.toast(text, icon="✅" if ok else "⚠️")
+        st.toast(text, icon=":material/check_circle:" if ok else ":material/error:")
     items = session.notices()
     if not items:
         return
@@ -372,7 +379,7 @@ def main() -> None:
     launcher = engine_launcher()
     sidebar(link)
 
-    st.markdown("## 🔭 stepscope")
+    st.markdown("## :material/monitoring: stepscope")
     st.caption(
         "An LLM inference engine, step by step: which requests share each batch, where prompts "
         "are cut into chunks, how full the KV cache is, and when decoding stalls."

@@ -67,7 +67,12 @@ def _seconds(value: float | None) -> str:
 
 
 def _pair(a: float | None, b: float | None) -> str:
-    return "–" if a is None else f"{_seconds(a)} / {_seconds(b)}"
+    """Two durations in one short metric value, e.g. `208 / 350 ms` or `0.4 / 2.1 s`."""
+    if a is None or b is None:
+        return "–"
+    if b < 1:
+        return f"{a * 1000:.0f} / {b * 1000:.0f} ms"
+    return f"{a:.2f} / {b:.2f} s"
 
 
 def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> None:
@@ -105,9 +110,16 @@ def metrics_row(snap: Snapshot) -> None:
         delta_arrow="off",
         help="The longest wait of a running request that was left out of steps.",
     )
-    kv = "–" if h.kv_used is None else f"{h.kv_used:.1%} used"
-    cached = None if h.kv_cached is None else f"{h.kv_cached:.1%} cached"
-    cols[4].metric("KV pool", kv, delta=cached, delta_color="off", delta_arrow="off")
+    kv = "–" if h.kv_used is None else f"{h.kv_used:.1%}"
+    cached = None if h.kv_cached is None else f"+ {h.kv_cached:.1%} cached"
+    cols[4].metric(
+        "KV used",
+        kv,
+        delta=cached,
+        delta_color="off",
+        delta_arrow="off",
+        help="Share of the pool's pages held by requests in flight, plus the prefix cache's.",
+    )
     cols[5].metric("running / waiting", f"{h.running} / {h.waiting}")
     last = snap.steps[-1] if snap.steps else None
     cols[6].metric(

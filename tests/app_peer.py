@@ -240,7 +240,7 @@ def synthetic_trace(num_steps: int, seed_every: int = 40) -> list[Message]:
 class AppPeer:
     """`with AppPeer() as peer:` serves a `SimEngine` at `peer.url` and records commands."""
 
-    def __init__(self, tick_s: float = 0.02, **engine: Any) -> None:
+    def __init__(self, tick_s: float = 0.02, port: int = 0, **engine: Any) -> None:
         self.sim = SimEngine(**engine)
         self.tick_s = tick_s
         self.commands: list[Message] = []
@@ -256,7 +256,7 @@ class AppPeer:
             "max_seq_len": 4_096,
             "max_frame_bytes": 1 << 20,
         }
-        self.port = 0
+        self.port = port
         self._clients: set[ServerConnection] = set()
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -295,7 +295,7 @@ class AppPeer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with serve(self._handle, "127.0.0.1", 0) as server:
+        async with serve(self._handle, "127.0.0.1", self.port) as server:
             self.port = server.sockets[0].getsockname()[1]
             self._ready.set()
             ticker = asyncio.create_task(self._run_engine())
