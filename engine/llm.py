@@ -132,9 +132,10 @@ class LLM:
         )
 
         self.num_pages = cfg.num_pages or self._default_num_pages()
+        # one spare page past the allocator's range: CUDA-graph padding rows write their KV there
         self.pool = KVPool(
             mcfg.num_layers,
-            self.num_pages,
+            self.num_pages + 1,
             page_size,
             mcfg.num_kv_heads,
             mcfg.head_dim,
@@ -155,7 +156,15 @@ class LLM:
             mcfg.num_kv_heads,
             mcfg.head_dim,
         )
-        self.runner = ModelRunner(self.model, self.pool, self.table, backend, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.table,
+            backend,
+            self.device,
+            cuda_graph=cfg.cuda_graph,
+            pad_page=self.num_pages,
+        )
         self._policies: dict[str, SchedulePolicy] = {n: p() for n, p in POLICIES.items()}
         eos = set(mcfg.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

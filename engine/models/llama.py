@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.kernels import fused_kernels
 from engine.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -25,10 +26,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize the last dim of x: [T, dim], or [T, heads, dim] for per-head q/k norms."""
+        fi = fused_kernels(x)
+        if fi is not None:
+            return fi.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add and the next norm in one kernel
+        on CUDA, which updates both tensors in place."""
+        fi = fused_kernels(x)
+        if fi is not None:
+            fi.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -62,7 +79,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = rope(positions, q, k)  # on CUDA in place, into qkv's storage or the norms' output
         out = backend.forward(q, k, v, self.layer_id, meta)
         return self.o_proj(out.reshape(n, -1))
 
@@ -74,7 +91,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fi = fused_kernels(gate_up)
+        if fi is not None:
+            return self.down_proj(fi.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -89,13 +110,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         backend: AttentionBackend,
         meta: Any,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, backend, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller adds the two,
+        fused into the next norm. `residual` is None for the first layer."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x = self.self_attn(x, positions, rope, backend, meta)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderBody(nn.Module):
@@ -126,9 +155,12 @@ class CausalLM(nn.Module):
         meta: Any,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, positions, self.rope, backend, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, self.rope, backend, meta)
+        if residual is None:  # no layers
+            return self.model.norm(h)
+        return self.model.norm.add_forward(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

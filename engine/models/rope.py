@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from engine.models.kernels import fused_kernels
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -36,6 +38,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.args = (head_dim, max_positions, theta, scaling)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        # FlashInfer's layout, [positions, cos half | sin half]; a plain attribute, not a
+        # buffer, so that casting the model to bf16 leaves it float32 as the kernel requires
+        self.cos_sin: torch.Tensor | None = None
         self.build_table(self.cos.device)
 
     def build_table(self, device: torch.device) -> None:
@@ -45,11 +50,22 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(torch.arange(max_positions).float(), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        self.cos_sin = None
+        if device.type == "cuda":
+            self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hk, D]; the table is float32, cast like HF does
+        # q: [T, Hq, D], k: [T, Hk, D]
+        fi = fused_kernels(q)
+        if fi is not None and self.cos_sin is not None:
+            # in place, one kernel for q and k; strided views (of the qkv output) are fine
+            fi.apply_rope_with_cos_sin_cache_inplace(
+                positions, q, k, q.shape[-1], self.cos_sin, is_neox=True
+            )
+            return q, k
+        # the table is float32, cast like HF does
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

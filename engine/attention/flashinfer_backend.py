@@ -1,0 +1,169 @@
+"""FlashInferAttention: paged attention on CUDA through FlashInfer's prefill and decode wrappers.
+
+Each step is planned once from CPU index arrays built off the page table: the prefill wrapper
+(causal, queries aligned to the end of each request's KV, so a chunk after a cached prefix is the
+same call as a fresh prompt) serves prefill and mixed steps; the tensor-core decode wrapper serves
+steps where every request adds one token. For CUDA graphs the backend also hands out one decode
+wrapper per captured batch size, bound to fixed index buffers that `plan_graph` refills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import flashinfer
+import torch
+
+from engine.attention.base import AttentionBackend, BatchLayout
+from engine.kvcache.pool import KVPool
+from engine.kvcache.table import PageTable
+
+# Split-KV partial results live here; 256 MB covers a 256-request decode with long contexts.
+WORKSPACE_BYTES = 256 << 20
+
+Wrapper = (
+    flashinfer.BatchPrefillWithPagedKVCacheWrapper | flashinfer.BatchDecodeWithPagedKVCacheWrapper
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PageIndex:
+    """FlashInfer's view of a batch's pages: request i owns indices[indptr[i]:indptr[i+1]]."""
+
+    indptr: torch.Tensor  # int32 [B + 1]
+    indices: torch.Tensor  # int32 [pages]
+    last_page_len: torch.Tensor  # int32 [B], in 1 ..= page_size
+
+
+def page_index(
+    table: PageTable,
+    rows: list[int],
+    lengths: list[int],
+    page_size: int,
+    pad_rows: int = 0,
+    pad_page: int = 0,
+) -> PageIndex:
+    """The pages behind positions [0, length) of each row, as CPU int32 arrays, plus `pad_rows`
+    one-token requests on `pad_page` (the padding of a CUDA-graph batch)."""
+    lens = torch.tensor(lengths + [1] * pad_rows, dtype=torch.int64)
+    npages = (lens + page_size - 1) // page_size
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(npages, 0, out=indptr[1:])
+    last = (lens - (npages - 1) * page_size).to(torch.int32)
+    if rows:
+        real = npages[: len(rows)]
+        width = int(real.max())
+        # the first slot of every page a row maps, gathered for all rows at once
+        firsts = table.slots[:, : width * page_size : page_size][torch.tensor(rows)]
+        keep = torch.arange(width).unsqueeze(0) < real.unsqueeze(1)
+        pages = firsts[keep] // page_size
+    else:
+        pages = torch.empty(0, dtype=torch.int64)
+    if pad_rows:
+        pages = torch.cat([pages, torch.full((pad_rows,), pad_page, dtype=torch.int64)])
+    return PageIndex(indptr, pages.to(torch.int32), last)
+
+
+@dataclass(frozen=True, slots=True)
+class FlashInferMeta:
+    wrapper: Wrapper
+    out_loc: torch.Tensor  # KV slot of every new token, on the device
+
+
+class FlashInferAttention(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(pool, num_heads, num_kv_heads, head_dim)
+        self.device = pool.k.device
+        self.dtype = pool.k.dtype
+        self.page_size = pool.page_size
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # fa2 for prefill too: the tensor-core decode wrapper runs the same compiled module,
+        # so one JIT build serves both
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2"
+        )
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True
+        )
+        self._graph_indices: torch.Tensor | None = None
+
+    def prepare(self, layout: BatchLayout) -> FlashInferMeta:
+        idx = page_index(layout.table, layout.rows, layout.ends, self.page_size)
+        if layout.is_decode:
+            self._plan_decode(self.decode, idx)
+            return FlashInferMeta(self.decode, layout.out_loc)
+        qo_indptr = torch.tensor(layout.qo_indptr, dtype=torch.int32)
+        self.prefill.plan(
+            qo_indptr,
+            idx.indptr,
+            idx.indices,
+            idx.last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,  # bottom-right aligned: query i of a chunk sees the prefix and itself
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        return FlashInferMeta(self.prefill, layout.out_loc)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: FlashInferMeta
+    ) -> torch.Tensor:
+        # write first: a request's new tokens are part of what it attends to
+        self.pool.store(layer, meta.out_loc, k, v)
+        return meta.wrapper.run(q, self.pool.paged(layer))
+
+    # -- CUDA graphs ---------------------------------------------------------------------
+    def graph_meta(self, batch_size: int, out_loc: torch.Tensor, max_pages: int) -> FlashInferMeta:
+        """A decode wrapper for a graph of `batch_size` rows whose index arrays live in fixed
+        buffers; `max_pages` bounds the pages of one batch. Every graph shares the indices
+        buffer, since one graph runs at a time."""
+        if self._graph_indices is None or self._graph_indices.numel() < max_pages:
+            self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(
+                batch_size + 1, dtype=torch.int32, device=self.device
+            ),
+            paged_kv_indices_buffer=self._graph_indices,
+            paged_kv_last_page_len_buffer=torch.ones(
+                batch_size, dtype=torch.int32, device=self.device
+            ),
+        )
+        return FlashInferMeta(wrapper, out_loc)
+
+    def plan_graph(
+        self,
+        meta: FlashInferMeta,
+        table: PageTable,
+        rows: list[int],
+        lengths: list[int],
+        pad_page: int,
+    ) -> None:
+        """Plan a graph's wrapper for these requests, padded with one-token rows on `pad_page`
+        up to the graph's batch size. Call before every replay: plan cannot be captured."""
+        pad = meta.out_loc.numel() - len(rows)
+        idx = page_index(table, rows, lengths, self.page_size, pad, pad_page)
+        self._plan_decode(meta.wrapper, idx)
+
+    def _plan_decode(self, wrapper: Wrapper, idx: PageIndex) -> None:
+        wrapper.plan(
+            idx.indptr,
+            idx.indices,
+            idx.last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
