@@ -92,6 +92,10 @@ class ModelRunner:
             logits, sampling = self._run_eager(batch)
             if logits is None:
                 return []
+        if self.device.type == "cuda":
+            # wait here, where the wait releases the GIL, rather than inside the sampler's copy
+            # to the host: another thread (the event publisher) runs while the GPU works
+            torch.cuda.current_stream(self.device).synchronize()
         params = [r.state.params for r in sampling]
         return sample(logits, params, [r.state.generator for r in sampling])
 

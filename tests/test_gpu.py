@@ -1,0 +1,341 @@
+"""The GPU path: FlashInfer against the torch reference backend, the engine against Hugging Face
+on the same weights, CUDA-graph decode against eager, chunked against unchunked prefill.
+
+All of it runs in bf16 on CUDA and is skipped without CUDA or FlashInfer. The models are small
+random ones with wide weight spreads, so greedy choices have clear margins and token-level
+comparisons test the kernels, not luck in near-ties. scripts/gpu_check.py runs this file first.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+BF16_RTOL = 1e-2  # relative (Frobenius) error allowed between bf16 results
+TIE_RTOL = 2e-2  # a top-2 logit gap under this share of the logits' RMS is a near-tie in bf16
+# (num_heads, num_kv_heads, head_dim): Qwen3-0.6B's attention, and SmolLM2's (groups of 3)
+HEAD_SHAPES = [(16, 8, 128), (9, 3, 64)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def make_wide_model(
+    path: Path,
+    tokenizer_dir: Path,
+    *,
+    arch: str = "qwen3",
+    num_layers: int = 2,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    head_dim: int = 128,
+    seed: int = 0,
+) -> Path:
+    """A random Hugging Face model directory whose weights spread widely (clear greedy margins),
+    with FlashInfer-sized heads and the bundled tokenizer's 49,152-token vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common: dict[str, Any] = dict(
+        vocab_size=49152,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=1024,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model: Any = Qwen3ForCausalLM(Qwen3Config(**common, rope_theta=1e6))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=1e4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.1)
+    model.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+class LogitTap:
+    """Records the logits the runner hands to the sampler, one [rows, vocab] tensor per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[torch.Tensor] = []
+
+    def __enter__(self) -> LogitTap:
+        import engine.runner as runner
+
+        self._runner, self._sample = runner, runner.sample
+
+        def tapped(logits: torch.Tensor, *args: Any) -> list[int]:
+            self.calls.append(logits.float().cpu())
+            return self._sample(logits, *args)
+
+        runner.sample = tapped
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._runner.sample = self._sample
+
+
+@dataclass
+class Trace:
+    """One request's greedy run: each sampled token and the logits row it came from."""
+
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def trace_run(llm: Any, prompts: list[list[int]], params: Any) -> list[Trace]:
+    """Run prompts to completion step by step, mapping each logits row to its request through
+    the step record (sampled rows are the non-chunk items, in batch order)."""
+    uids = [llm.submit(p, params) for p in prompts]
+    traces = {u: Trace() for u in uids}
+    with LogitTap() as tap:
+        while llm.has_work():
+            before = len(tap.calls)
+            record = llm.step()
+            if record is None or len(tap.calls) == before:
+                continue
+            rows = [it.uid for it in record.items if it.kind != "chunk"]
+            for uid, row in zip(rows, tap.calls[-1], strict=True):
+                traces[uid].tokens.append(int(row.argmax()))
+                traces[uid].logits.append(row)
+    return [traces[u] for u in uids]
+
+
+def compare_greedy(ref: list[Trace], other: list[Trace], n_tokens: int) -> dict[str, int]:
+    """Per request over its first n_tokens: `same`, diverged at a near-tie of the reference's
+    logits (`ties`: bf16 rounding may pick either), or diverged where the reference had a
+    clear winner (`mismatches`: a bug)."""
+    counts = {"same": 0, "ties": 0, "mismatches": 0}
+    for a, b in zip(ref, other, strict=True):
+        ta, tb = a.tokens[:n_tokens], b.tokens[:n_tokens]
+        if ta == tb:
+            counts["same"] += 1
+            continue
+        j = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y)
+        row = a.logits[j]
+        margin = float(row[ta[j]] - row[tb[j]])
+        tie = margin <= TIE_RTOL * float(row.float().pow(2).mean().sqrt())
+        counts["ties" if tie else "mismatches"] += 1
+    return counts
+
+
+def hf_logits(model: Any, ids: list[int], last: int) -> torch.Tensor:
+    """Hugging Face logits [last, vocab] at the final `last` positions of `ids`."""
+    with torch.inference_mode():
+        x = torch.tensor([ids], device="cuda")
+        return model(input_ids=x).logits[0, -last:].float().cpu()
+
+
+def hf_reference(path: Path) -> Any:
+    """The Hugging Face model in float32 on the engine's weights (rounded to bf16 as it loads)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+# -- fixtures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def flashinfer() -> Any:
+    return pytest.importorskip("flashinfer")
+
+
+@pytest.fixture(scope="module")
+def wide_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return make_wide_model(tmp_path_factory.mktemp("wide-qwen3"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    path = tmp_path_factory.mktemp("wide-llama")
+    return make_wide_model(
+        path, smollm2_dir, arch="llama", num_heads=9, num_kv_heads=3, head_dim=64
+    )
+
+
+@pytest.fixture
+def make_llm(flashinfer: Any) -> Iterator[Callable[..., Any]]:
+    from engine import LLM
+
+    made: list[Any] = []
+
+    def make(path: Path, **kw: Any) -> Any:
+        args: dict[str, Any] = dict(
+            device="cuda", max_running_req=16, num_pages=16384, max_seq_len=2048, progress=False
+        )
+        llm = LLM(model=str(path), **{**args, **kw})
+        made.append(llm)
+        return llm
+
+    yield make
+    made.clear()
+    torch.cuda.empty_cache()
+
+
+# -- the backends against each other ---------------------------------------------------------
+def _attend(
+    backend_cls: type,
+    heads: tuple[int, int, int],
+    pool: Any,
+    table: Any,
+    reqs: list[tuple[int, int, int]],
+) -> torch.Tensor:
+    """One layer of attention for requests (row, start, end), on fixed random q, k and v."""
+    from engine.attention.base import BatchLayout
+
+    num_heads, num_kv_heads, head_dim = heads
+    n = sum(e - s for _, s, e in reqs)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(n, num_heads, head_dim, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(n, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(n, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
+    out_loc = torch.cat([table.slots[r, s:e] for r, s, e in reqs]).cuda()
+    layout = BatchLayout(
+        rows=[r for r, _, _ in reqs],
+        starts=[s for _, s, _ in reqs],
+        ends=[e for _, _, e in reqs],
+        out_loc=out_loc,
+        table=table,
+    )
+    backend = backend_cls(pool, num_heads, num_kv_heads, head_dim)
+    return backend.forward(q, k, v, 0, backend.prepare(layout))
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", ["prefill", "mixed", "decode"])
+def test_flashinfer_matches_torch_backend(
+    flashinfer: Any, heads: tuple[int, int, int], page_size: int, kind: str
+) -> None:
+    from engine.attention.flashinfer_backend import FlashInferAttention
+    from engine.attention.torch_backend import TorchAttention
+    from engine.kvcache.pool import KVPool
+    from engine.kvcache.table import PageTable
+
+    num_heads, num_kv_heads, head_dim = heads
+    # (start, end) per request: what is cached before the step, and its length after it
+    spans = {
+        "prefill": [(0, 37), (0, 300), (0, 1)],
+        "mixed": [(80, 144), (0, 50), (200, 201), (33, 34), (511, 700)],
+        "decode": [(5, 6), (100, 101), (513, 514), (1, 2), (999, 1000)],
+    }[kind]
+    num_pages = 4096 // page_size
+    cuda = torch.device("cuda")
+    pool = KVPool(1, num_pages, page_size, num_kv_heads, head_dim, torch.bfloat16, cuda)
+    table = PageTable(8, 1024, page_size)
+    free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist()
+    reqs = []
+    for start, end in spans:
+        row = table.take_row()
+        table.map_pages(row, 0, [free.pop() for _ in range(-(-end // page_size))])
+        reqs.append((row, start, end))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool.k.normal_(generator=gen)  # the cached prefixes
+    pool.v.normal_(generator=gen)
+    # both write the same new K and V, then attend over the same pool
+    ref = _attend(TorchAttention, heads, pool, table, reqs)
+    out = _attend(FlashInferAttention, heads, pool, table, reqs)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) < BF16_RTOL
+
+
+# -- the engine against Hugging Face ---------------------------------------------------------
+@pytest.mark.parametrize("model", ["wide_qwen3", "wide_llama"])
+def test_engine_logits_match_hf(
+    make_llm: Callable[..., Any], request: pytest.FixtureRequest, model: str
+) -> None:
+    from engine.sampling import SamplingParams
+
+    path = request.getfixturevalue(model)
+    llm = make_llm(path)
+    hf = hf_reference(path)
+    assert llm.info.attention_backend == "flashinfer"
+    for prompt in random_prompts(3, 5, 400, seed=2):
+        with LogitTap() as tap:
+            out = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+        ids = prompt + out["token_ids"]
+        ref = hf_logits(hf, ids[:-1], len(out["token_ids"]))
+        got = torch.cat(tap.calls)  # the prefill's last position, then one row per decode step
+        assert got.shape == ref.shape
+        for step in range(len(ref)):
+            assert rel_err(got[step], ref[step]) < BF16_RTOL, f"step {step}"
+
+
+def test_cuda_graph_matches_eager(make_llm: Callable[..., Any], wide_qwen3: Path) -> None:
+    from engine.sampling import SamplingParams
+
+    graph = make_llm(wide_qwen3)
+    eager = make_llm(wide_qwen3, cuda_graph=False)
+    assert graph.runner.graphs is not None and eager.runner.graphs is None
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for n in (5, 3):  # padded to the 8- and 4-row graphs
+        prompts = random_prompts(n, 10, 300, seed=n)
+        a, b = trace_run(eager, prompts, params), trace_run(graph, prompts, params)
+        assert compare_greedy(a, b, 12)["mismatches"] == 0
+        for x, y in zip(a, b, strict=True):
+            for step in range(min(len(x.tokens), len(y.tokens))):
+                if x.tokens[:step] != y.tokens[:step]:
+                    break  # different inputs from here on
+                assert rel_err(y.logits[step], x.logits[step]) < BF16_RTOL
+
+
+def test_chunked_prefill_matches_unchunked(make_llm: Callable[..., Any], wide_qwen3: Path) -> None:
+    from engine.sampling import SamplingParams
+
+    prompts = random_prompts(8, 50, 700, seed=3)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    whole = make_llm(wide_qwen3, max_extend_tokens=8192, cache_type="naive")
+    chunked = make_llm(wide_qwen3, max_extend_tokens=48, cache_type="naive", policy="mixed")
+    counts = compare_greedy(
+        trace_run(whole, prompts, params), trace_run(chunked, prompts, params), 16
+    )
+    assert counts["mismatches"] == 0, counts
+
+
+def test_torch_backend_still_serves_cuda(make_llm: Callable[..., Any], wide_qwen3: Path) -> None:
+    """The fallback: torch attention on CUDA (no graphs) gives FlashInfer's greedy tokens."""
+    from engine.sampling import SamplingParams
+
+    fi = make_llm(wide_qwen3)
+    ref = make_llm(wide_qwen3, attention_backend="torch")
+    assert ref.info.attention_backend == "torch" and ref.runner.graphs is None
+    prompts = random_prompts(4, 10, 200, seed=4)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    counts = compare_greedy(trace_run(ref, prompts, params), trace_run(fi, prompts, params), 8)
+    assert counts["mismatches"] == 0, counts
