@@ -71,7 +71,7 @@ def _figure(data: list[dict[str, Any]], layout: dict[str, Any]) -> go.Figure:
     return go.Figure(data=data, layout={**base, **layout}, _validate=False)
 
 
-def empty_figure(message: str, height: int = 320) -> go.Figure:
+def empty_figure(message: str, height: int = 240) -> go.Figure:
     """A placeholder that says why there is nothing to draw yet."""
     return _figure(
         [],
@@ -206,7 +206,8 @@ def _batch_parts(
             }
         )
     yaxis_layout = {"title": {"text": "tokens in step"}, "range": [-0.09 * y_top, y_top]}
-    return data, {"yaxis": yaxis_layout, "annotations": annotations}
+    layout = {"yaxis": yaxis_layout, "annotations": annotations}
+    return data, layout | {"uniformtext": {"minsize": 9, "mode": "hide"}}
 
 
 def _segment_bars(
@@ -236,8 +237,21 @@ def _segment_bars(
         ("decode", "decode token (solid)", {"shape": ""}),
     ):
         col = cols[key]
+        # Prompt pieces carry their range, upright inside the bar; plotly hides what won't fit.
+        labels = (
+            {
+                "text": [f"req {c[0]} [{c[2]}:{c[3]})" for c in col["cd"]],
+                "textposition": "inside",
+                "textangle": -90,
+                "insidetextanchor": "middle",
+                "textfont": {"color": "white", "size": 11},
+            }
+            if key == "prompt"
+            else {"textposition": "none"}
+        )
         out.append(
             {
+                **labels,
                 "type": "bar",
                 "name": name,
                 "x": col["x"],
@@ -479,7 +493,7 @@ def timeline_figure(
 ) -> go.Figure:
     """Batch composition on top and request lanes below, sharing one x axis (zoom together)."""
     if not steps:
-        return empty_figure("No engine steps recorded yet: submit a prompt.", height=520)
+        return empty_figure("No engine steps recorded yet: submit a prompt.")
     axis = step_axis(steps, x)
     all_stalls = stalls(steps, tracks(steps), _requests_by_uid(requests))
     batch, batch_layout = _batch_parts(steps, axis, stalled_per_step(len(steps), all_stalls))

@@ -128,17 +128,17 @@ def connection_badge(link: EngineLink) -> None:
     status = link.status()
     engine = link.store.snapshot(last_steps=0).engine or {}
     if status.state == "connected":
-        st.markdown(f":green[●] **connected** · `{link.url}`")
+        st.markdown(":green[●] **connected**")
         if engine:
             st.caption(
                 f"{engine.get('model', '?')} · {engine.get('device', '?')} · "
-                f"{engine.get('dtype', '?')} · {engine.get('num_pages', 0):,} pages × "
-                f"{engine.get('page_size', 1)} · {engine.get('cache_type', '')} cache"
+                f"{engine.get('dtype', '?')}  \n{engine.get('num_pages', 0):,} pages × "
+                f"{engine.get('page_size', 1)} token · {engine.get('cache_type', 'prefix')} cache"
             )
     elif status.state == "connecting":
-        st.markdown(f":orange[●] **connecting** · `{link.url}`")
+        st.markdown(":orange[●] **connecting…**")
     else:
-        st.markdown(f":red[●] **not connected** · `{link.url}`")
+        st.markdown(":red[●] **not connected**")
 
 
 def sidebar(link: EngineLink | None) -> None:
@@ -246,12 +246,12 @@ def connection_panel(link: EngineLink, launcher: Launcher) -> None:
         st.info(f"Starting the engine: `{shlex.join(proc.argv[1:])}` (pid {proc.pid}).")
         if progress is not None:
             st.progress(progress.fraction, text=f"{progress.label}: {progress.fraction:.0%}")
-        st.code("\n".join(proc.tail(10)) or "(waiting for the engine's first output)")
+        st.code("\n".join(proc.tail(10)) or "(waiting for its first output)", language="text")
     elif proc is not None and proc.state == "ready":
         st.info(f"The engine is up at {proc.ready_url}; connecting…")
     elif proc is not None and proc.state == "exited":
         st.error(f"The engine process exited with code {proc.returncode}. Its last output:")
-        st.code("\n".join(proc.tail(12)) or "(no output)")
+        st.code("\n".join(proc.tail(12)) or "(no output)", language="text")
         st.button(
             "Restart the engine",
             type="primary",

@@ -66,15 +66,6 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def _pair(a: float | None, b: float | None) -> str:
-    """Two durations in one short metric value, e.g. `208 / 350 ms` or `0.4 / 2.1 s`."""
-    if a is None or b is None:
-        return "–"
-    if b < 1:
-        return f"{a * 1000:.0f} / {b * 1000:.0f} ms"
-    return f"{a:.2f} / {b:.2f} s"
-
-
 def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> None:
     """Draw a figure, rebuilding it only when its inputs changed since this tab last drew it."""
     memo: dict[str, tuple[tuple, go.Figure]] = st.session_state.setdefault("figure_memo", {})
@@ -97,10 +88,18 @@ def metrics_row(snap: Snapshot) -> None:
     cols = st.columns(7)
     cols[0].metric("tokens / s", "–" if h.tokens_per_s is None else f"{h.tokens_per_s:.1f}",
                    help="Generated tokens per second over the last 10 s of engine time.")  # fmt: skip
-    cols[1].metric("TTFT p50 / p99", _pair(h.ttft_p50, h.ttft_p99),
-                   help="Time to first token: from queued to the first sampled token.")  # fmt: skip
-    cols[2].metric("ITL p50 / p99", _pair(h.itl_p50, h.itl_p99),
-                   help="Inter-token latency of the requests in view.")  # fmt: skip
+    for col, name, p50, p99, what in (
+        (cols[1], "TTFT", h.ttft_p50, h.ttft_p99, "Time to first token: queued to first token."),
+        (cols[2], "ITL", h.itl_p50, h.itl_p99, "Inter-token latency of the requests in view."),
+    ):
+        col.metric(
+            f"{name} p50",
+            _seconds(p50),
+            delta=None if p99 is None else f"p99 {_seconds(p99)}",
+            delta_color="off",
+            delta_arrow="off",
+            help=what,
+        )
     worst = "none" if h.worst_stall is None else _seconds(h.worst_stall)
     cols[3].metric(
         "worst stall",

@@ -147,6 +147,7 @@ def test_batch_figure_stacks_hatched_prompt_pieces_over_solid_decodes() -> None:
     assert list(prompt.marker.color) == [request_color(1)]
     assert list(decode.marker.color) == [request_color(0)]
     assert list(prompt.customdata[0][:4]) == [1, "chunk", 0, 10]
+    assert list(prompt.text) == ["req 1 [0:10)"] and prompt.textangle == -90
 
 
 def test_batch_figure_draws_budget_line_phase_band_and_stall_marks() -> None:
