@@ -27,12 +27,22 @@ TINY_COMMON = dict(
 
 
 def make_tiny(kind: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if kind == "llama":
         cfg = LlamaConfig(**TINY_COMMON, head_dim=16, rope_theta=10000.0)
         model = LlamaForCausalLM(cfg)
+    elif kind == "qwen2":  # bias on q, k and v
+        cfg = Qwen2Config(**TINY_COMMON, rope_theta=1000000.0)
+        model = Qwen2ForCausalLM(cfg)
     elif kind == "qwen3":
         cfg = Qwen3Config(**TINY_COMMON, head_dim=32, rope_theta=1000000.0)
         model = Qwen3ForCausalLM(cfg)
