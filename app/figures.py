@@ -519,8 +519,14 @@ def timeline_figure(
 # ---- 3. KV pool -------------------------------------------------------------------------------
 
 
-def kv_figure(steps: Sequence[Message], page_size: int = 1, x: XMode = "time") -> go.Figure:
-    """Pages used, cached and free, stacked to the pool's total; reservations as a line."""
+def kv_figure(
+    steps: Sequence[Message], page_size: int = 1, x: XMode = "time", whole_pool: bool = True
+) -> go.Figure:
+    """Pages used, cached and free, stacked to the pool's total; reservations as a line.
+
+    With `whole_pool=False` the y axis stops a little above the pages in use (or promised), so
+    a big pool's small occupancy stays readable; free pages fill the rest of the view.
+    """
     if not steps:
         return empty_figure("No engine steps recorded yet.")
     axis = step_axis(steps, x)
@@ -557,13 +563,17 @@ def kv_figure(steps: Sequence[Message], page_size: int = 1, x: XMode = "time") -
         }
     )
     total = max(int(steps[-1]["kv"]["total"]), 1)
+    top = max(total, int(reserved.max(initial=0)))
+    if not whole_pool:
+        held = max(s["kv"]["used"] + s["kv"]["cached"] for s in steps)
+        top = min(top, max(8, int(1.3 * max(held, int(reserved.max(initial=0))))))
     layout = {
         "height": 380,
         "hovermode": "x unified",
         "xaxis": {"title": {"text": X_TITLES[x]}},
         "yaxis": {
             "title": {"text": "KV pages"},
-            "range": [0, 1.04 * max(total, int(reserved.max(initial=0)))],
+            "range": [0, 1.04 * top],
         },
     }
     return _figure(data, layout)

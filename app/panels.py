@@ -168,7 +168,9 @@ def outputs_view(requests: Sequence[Message], limit: int = 8) -> None:
     rows = []
     for r in shown:
         color = figures.request_color(int(r["uid"]))
-        text = html.escape(r.get("text") or "")
+        # One line per request: the newest words matter, and newlines would spread the list.
+        raw = " ".join((r.get("text") or "").split())
+        text = html.escape(raw if len(raw) <= 240 else "…" + raw[-240:])
         if not text:
             text = "<i style='color:#888'>(no output yet)</i>"
         rows.append(
@@ -193,10 +195,15 @@ def kv_view(snap: Snapshot) -> None:
         else ""
     )
     st.caption(KV_CAPTION + " " + pool)
+    whole = st.toggle(
+        "Whole pool",
+        key="kv_whole_pool",
+        help="Off: the axis stops just above the pages in use, so a big pool stays readable.",
+    )
     chart(
         "kv",
-        _memo_key(snap, xmode),
-        lambda: figures.kv_figure(snap.steps, page_size=snap.page_size, x=xmode),
+        _memo_key(snap, xmode, whole),
+        lambda: figures.kv_figure(snap.steps, snap.page_size, xmode, whole_pool=whole),
     )
 
 

@@ -290,6 +290,13 @@ def test_kv_figure_stacks_to_the_pool_total_and_converts_reserved_to_pages() -> 
     assert list(reserved.y) == [math.ceil(30 / 4), math.ceil(27 / 4)]
     assert "page size 4" in reserved.name
     assert list(used.x) == [0.1, 0.2]  # time axis: each step's end
+    assert fig.layout.yaxis.range[1] == pytest.approx(1.04 * 64)
+
+
+def test_kv_figure_can_zoom_to_the_pages_in_use() -> None:
+    steps = [step(0, [(0, "chunk", 0, 4)], kv=(20_000, 100, 50, 19_850, 40))]
+    fig = figures.kv_figure(steps, whole_pool=False)
+    assert fig.layout.yaxis.range[1] == pytest.approx(1.04 * int(1.3 * 150))
 
 
 # ---- 4. decode progress -----------------------------------------------------------------------
