@@ -131,8 +131,10 @@ def _batch_parts(
     y_top = 1.12 * (max(top, budget_max) if budget_visible else top)
     data: list[dict] = []
 
-    edges_x = np.append(axis.lo, axis.hi[-1]) if axis.mode == "time" else None
-    if edges_x is None:
+    # The phase band's cell edges: steps tile the axis, one background cell per step.
+    if axis.mode == "time":
+        edges_x = np.append(axis.lo, axis.hi[-1])
+    else:
         edges_x = np.append(axis.numbers - 0.5, axis.numbers[-1] + 0.5)
     codes = [PHASE_CODES.get(s["phase"], 2) for s in steps]
     scale = []
@@ -217,6 +219,7 @@ def _segment_bars(
         k: {"x": [], "y": [], "base": [], "w": [], "color": [], "cd": []}
         for k in ("prompt", "decode")
     }
+    mids, widths = axis.mid.tolist(), (width * 0.9).tolist()  # plain floats serialize faster
     for i, step in enumerate(steps):
         base = 0
         # Decodes at the bottom, prompt pieces on top, so the prompt share reads as one block.
@@ -224,10 +227,10 @@ def _segment_bars(
         for item in items:
             n = item["end"] - item["start"]
             col = cols["decode" if item["kind"] == "decode" else "prompt"]
-            col["x"].append(axis.mid[i])
+            col["x"].append(mids[i])
             col["y"].append(n)
             col["base"].append(base)
-            col["w"].append(width[i] * 0.9)
+            col["w"].append(widths[i])
             col["color"].append(request_color(item["uid"]))
             col["cd"].append((item["uid"], item["kind"], item["start"], item["end"], step["step"]))
             base += n
