@@ -16,7 +16,7 @@ import streamlit as st
 
 from app import controls, figures, session
 from app.client import EngineLink
-from app.derive import headline
+from app.derive import headline, stalls, tracks
 from app.state import Message, Snapshot
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
@@ -260,6 +260,10 @@ def requests_view(link: EngineLink, snap: Snapshot) -> None:
     if not snap.requests:
         st.info("No requests yet.")
         return
+    worst: dict[int, float] = {}
+    by_uid = {int(r["uid"]): r for r in snap.requests}
+    for stall in stalls(snap.steps, tracks(snap.steps), by_uid):
+        worst[stall.uid] = max(worst.get(stall.uid, 0.0), stall.seconds)
     rows = []
     for r in snap.requests[::-1]:
         tq, tf, te = r.get("t_queued"), r.get("t_first_token"), r.get("t_finished")
@@ -273,6 +277,7 @@ def requests_view(link: EngineLink, snap: Snapshot) -> None:
                 "max_tokens": r.get("max_tokens"),
                 "TTFT (s)": None if tf is None or tq is None else round(tf - tq, 3),
                 "latency (s)": None if te is None or tq is None else round(te - tq, 3),
+                "worst stall (s)": round(worst[r["uid"]], 3) if r["uid"] in worst else None,
                 "text": r.get("text") or r.get("message") or "",
             }
         )
