@@ -1,0 +1,1205 @@
+"""The GPU check: one script, one device call. JIT warm-up, correctness, benchmarks, tables.
+
+    PYTHONPATH=. python3 scripts/gpu_check.py --out OUT [--sections a,b,...]
+
+Sections, in order (each isolated: one failing prints its traceback and the rest still run):
+  warmup     build FlashInfer's JIT kernels in parallel threads (norm, RoPE, SiLU, attention)
+  pytest     tests/test_gpu.py
+  bandwidth  device-to-device copy rate, the denominator of every memory floor
+  logits     engine vs Hugging Face, last-position logits, Qwen3-0.6B shape with random weights
+  backends   FlashInfer vs torch attention inside the engine, per step kind (prefill/mixed/decode)
+  chunked    chunked vs unchunked prefill, greedy tokens of 32 prompts
+  bench      engine decode steps at batch 1/16/64/256 (512-token prompts, 128 new tokens)
+  overhead   the same steps with a JSON hook, and with the WebSocket server and one client
+  stall      the stall table: an 8,000-token prompt arriving among 32 decoding requests
+  hf         Hugging Face generate with its default cache, same shapes
+  hf_static  Hugging Face generate with a static cache (compiled by generate on first use)
+  smollm2    the bundled SmolLM2 (if its weights are here): logits vs HF, chunked, backends
+
+Random-weight models sample token ids the bundled tokenizer does not know; the engine's
+tokenizer is swapped for one that folds ids into its vocabulary, so detokenizing costs what it
+would for a real model. Markdown tables go to stdout and OUT/gpu_check.md, raw numbers to
+OUT/gpu_check.json, both rewritten after every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engine import LLM  # noqa: E402
+from engine.kvcache.pool import KVPool  # noqa: E402
+from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf, resolve  # noqa: E402
+from engine.records import TokenEvent  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from tests.test_gpu import (  # noqa: E402
+    LogitTap,
+    compare_greedy,
+    make_wide_model,
+    rel_err,
+    trace_run,
+)
+
+QWEN = REPO / "assets" / "qwen3-0.6b"
+QWEN_VOCAB = 151936
+DEV = "cuda"  # one name for the device, so a CPU dry run of the script's logic can swap it
+BATCHES = (1, 16, 64, 256)
+PROMPT_LEN, NEW_TOKENS = 512, 128
+LONG_PROMPT, DECODERS = 8000, 32  # the stall table's arriving prompt and decoding requests
+CHUNK_PROMPTS = 32  # prompts of the chunked-vs-unchunked comparison
+SECTIONS = (
+    "warmup pytest bandwidth logits backends chunked bench overhead stall hf hf_static smollm2"
+).split()
+
+
+# -- report --------------------------------------------------------------------------------
+class Report:
+    def __init__(self, out: Path, deadline_s: float) -> None:
+        self.out, self.deadline_s = out, deadline_s
+        self.t0 = time.monotonic()
+        self.md: list[str] = []
+        self.data: dict[str, Any] = {}
+        self.bench_llm: LLM | None = None  # shared by bench, overhead and stall
+        self.switch: Switch | None = None  # the one event hook those sections install
+        out.mkdir(parents=True, exist_ok=True)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        return self.deadline_s - self.elapsed()
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        self.md.append(text)
+
+    def table(self, title: str, headers: list[str], rows: list[list[Any]]) -> None:
+        lines = [f"\n### {title}\n", "| " + " | ".join(headers) + " |"]
+        lines.append("|" + "---|" * len(headers))
+        lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+        self.say("\n".join(lines) + "\n")
+
+    def save(self) -> None:
+        (self.out / "gpu_check.md").write_text("\n".join(self.md) + "\n")
+        (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v == 0 or 0.01 <= abs(v) < 1e5:
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
+        return f"{v:.2e}"
+    if isinstance(v, int) and abs(v) >= 10000:
+        return f"{v:,}"
+    return str(v)
+
+
+# -- helpers -------------------------------------------------------------------------------
+class FoldedTokenizer:
+    """The bundled tokenizer with every id folded into its vocabulary (see the docstring)."""
+
+    def __init__(self, base: Any) -> None:
+        self.base, self.size = base, len(base)
+
+    def decode(self, ids: list[int], **kw: Any) -> str:
+        return self.base.decode([i % self.size for i in ids], **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+def qwen_engine(**kw: Any) -> LLM:
+    args: dict[str, Any] = dict(
+        model=str(QWEN), device=DEV, load_format="dummy", progress=False, max_seq_len=2048
+    )
+    llm = LLM(**{**args, **kw})
+    llm.tokenizer = FoldedTokenizer(llm.tokenizer)
+    return llm
+
+
+def free() -> None:
+    """Return the memory of models the caller has just dropped (`del`) to the device."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def weight_bytes(llm: LLM) -> int:
+    return sum(p.numel() * p.element_size() for p in llm.model.parameters())  # tied once
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    m = llm.model_config
+    return KVPool.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, llm.dtype)
+
+
+def hf_from_engine(llm: LLM, dtype: torch.dtype, config_dir: Path) -> Any:
+    """A Hugging Face model holding the engine's weights (merged projections split back)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config_dir)
+    with torch.device(DEV):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    m = llm.model_config
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    state: dict[str, torch.Tensor] = {}
+    for name, p in llm.model.named_parameters():
+        w = p.detach().to(dtype)
+        if ".qkv_proj." in name:
+            for part, rows in (
+                ("q_proj", (0, q)),
+                ("k_proj", (q, q + kv)),
+                ("v_proj", (q + kv, None)),
+            ):
+                state[name.replace("qkv_proj", part)] = w[rows[0] : rows[1]]
+        elif ".gate_up_proj." in name:
+            gate, up = w.chunk(2, dim=0)
+            state[name.replace("gate_up_proj", "gate_proj")] = gate
+            state[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            state[name] = w
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if "lm_head.weight" in missing:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    return hf.eval()
+
+
+def hf_logits(model: Any, ids: list[int], last: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids], device=DEV)).logits[0, -last:].float().cpu()
+
+
+def bf16_rounded(model: Any) -> Any:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def logits_rows(
+    llm: LLM, refs: dict[str, Any], prompts: list[list[int]], new: int = 8
+) -> dict[str, float]:
+    """Worst relative error of the engine's logits against each reference model, split into the
+    prefill's last position and the decode steps after it (CUDA graphs on the engine side)."""
+    worst: dict[str, float] = {}
+    for prompt in prompts:
+        tr = trace_run(llm, [prompt], SamplingParams(max_tokens=new, ignore_eos=True))[0]
+        got = torch.stack(tr.logits)
+        ids = prompt + tr.tokens
+        for ref_name, ref in refs.items():
+            want = hf_logits(ref, ids[:-1], len(tr.tokens))
+            for kind, sl in (("prefill", slice(0, 1)), ("decode", slice(1, None))):
+                err = max(rel_err(g, w) for g, w in zip(got[sl], want[sl], strict=True))
+                key = f"{ref_name} {kind}"
+                worst[key] = max(worst.get(key, 0.0), err)
+    return worst
+
+
+def phase_trace(llm: LLM, prompts: list[list[int]], late: list[int]) -> list[tuple[str, Any]]:
+    """(phase, logits) of every sampling step of a workload that has prefill, mixed and decode
+    steps: two prompts start, then a long one arrives while they decode (policy mixed)."""
+    llm.set_config(max_extend_tokens=256, policy="mixed")
+    steps: list[tuple[str, Any]] = []
+    for p in prompts:
+        llm.submit(p, SamplingParams(max_tokens=16, ignore_eos=True))
+    with LogitTap() as tap:
+        n = 0
+        while llm.has_work():
+            if n == 3:
+                llm.submit(late, SamplingParams(max_tokens=4, ignore_eos=True))
+            before = len(tap.calls)
+            record = llm.step()
+            n += 1
+            if record is not None and len(tap.calls) > before:
+                steps.append((record.phase, tap.calls[-1]))
+    return steps
+
+
+def compare_phases(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> dict[str, list[float]]:
+    """Relative error per phase, up to the first step whose greedy tokens differ."""
+    errs: dict[str, list[float]] = {}
+    for (pa, la), (pb, lb) in zip(a, b, strict=False):
+        if pa != pb or la.shape != lb.shape:
+            break
+        errs.setdefault(pa, []).append(rel_err(lb, la))
+        if not torch.equal(la.argmax(-1), lb.argmax(-1)):
+            break
+    return errs
+
+
+def notes_prompts(llm: LLM, n: int) -> list[list[int]]:
+    """Chat prompts of 150 to 900 tokens for a real model: notes to summarize."""
+    facts = [
+        "The river floods every spring after the snow melts in the hills.",
+        "Our team meets on Tuesdays to review the open tickets.",
+        "The bakery on the corner sells rye bread until noon.",
+        "Copper conducts heat far better than stainless steel does.",
+        "The museum's east wing reopens after the roof repairs.",
+        "Most migratory birds fly south along the coastline.",
+        "The train to the airport leaves every twenty minutes.",
+        "A good sourdough starter needs flour, water and patience.",
+        "The library extended its opening hours during exams.",
+        "Solar panels produce less power on cloudy winter days.",
+        "The city council approved a new bicycle lane downtown.",
+        "Tomatoes ripen faster when stored next to bananas.",
+    ]
+    out = []
+    for i in range(n):
+        rng = random.Random(i)
+        body = " ".join(rng.choice(facts) for _ in range(rng.randint(10, 65)))
+        text = f"Here are my notes:\n{body}\nSummarize the notes in two sentences."
+        out.append(llm.encode(text, chat=True))
+    return out
+
+
+def chunk_rows(llm: LLM, prompts: list[list[int]], name: str) -> list[list[Any]]:
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    llm.set_config(max_extend_tokens=8192, policy="prefill_first")
+    whole = trace_run(llm, prompts, params)
+    rows = []
+    for policy, budget in (("prefill_first", 128), ("mixed", 128), ("prefill_first", 64)):
+        llm.set_config(max_extend_tokens=budget, policy=policy)
+        c = compare_greedy(whole, trace_run(llm, prompts, params), 32)
+        rows.append(
+            [
+                name,
+                f"{policy}, budget {budget}",
+                len(prompts),
+                c["same"],
+                c["ties"],
+                c["mismatches"],
+            ]
+        )
+    return rows
+
+
+# -- timing --------------------------------------------------------------------------------
+def timed_runner(llm: LLM) -> list[float]:
+    """Wrap the runner so every run() records its wall time; returns the list it fills."""
+    times: list[float] = []
+    run = llm.runner.run
+
+    def timed(batch: Any) -> list[int]:
+        t = time.perf_counter()
+        out = run(batch)
+        times.append(time.perf_counter() - t)
+        return out
+
+    llm.runner.run = timed  # type: ignore[method-assign]
+    return times
+
+
+def drive(
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    step: Callable[[], Any] | None = None,
+) -> dict[str, Any]:
+    """Submit all prompts, step to completion; wall time and phase of every step."""
+    step = step or llm.step
+    for p in prompts:
+        llm.submit(p, params)
+    steps: list[tuple[str, int, float]] = []
+    t_start = time.perf_counter()
+    while llm.has_work():
+        t = time.perf_counter()
+        rec = step()
+        dt = time.perf_counter() - t
+        if rec is not None:
+            steps.append((rec.phase, len(rec.items), dt))
+    return {"steps": steps, "total_s": time.perf_counter() - t_start}
+
+
+def decode_times(run: dict[str, Any], batch: int) -> list[float]:
+    return [dt for phase, n, dt in run["steps"] if phase == "decode" and n == batch]
+
+
+def replay_ms(llm: LLM, batch: int, reps: int = 50) -> float:
+    """GPU time of one replay of the graph that served `batch` rows, as last planned."""
+    graphs = llm.runner.graphs
+    assert graphs is not None
+    g = next(s for s in graphs.sizes if s >= batch)
+    graph = graphs.graphs[g]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def rand_ids(n: int, rng: random.Random, vocab: int = 49152) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+# -- sections ------------------------------------------------------------------------------
+def sec_env(r: Report) -> None:
+    import transformers
+
+    try:
+        import flashinfer
+
+        fi = flashinfer.__version__
+    except Exception as e:
+        fi = f"not importable: {e}"
+    props = torch.cuda.get_device_properties(0)
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "flashinfer": fi,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+    }
+    r.data["env"] = env
+    r.table("Environment", ["what", "value"], [[k, v] for k, v in env.items()])
+
+
+def sec_warmup(r: Report) -> None:
+    from flashinfer.jit.activation import gen_act_and_mul_module
+    from flashinfer.jit.attention import gen_batch_prefill_module
+    from flashinfer.jit.norm import gen_norm_module
+    from flashinfer.jit.rope import gen_rope_module
+
+    bf = torch.bfloat16
+    specs = {
+        "norm": gen_norm_module(),
+        "rope": gen_rope_module(),
+        "silu_and_mul": gen_act_and_mul_module("silu"),
+        "attention d128": gen_batch_prefill_module(
+            "fa2", bf, bf, bf, torch.int32, 128, 128, 0, False, False, False
+        ),
+        "attention d64": gen_batch_prefill_module(
+            "fa2", bf, bf, bf, torch.int32, 64, 64, 0, False, False, False
+        ),
+    }
+    times: dict[str, float] = {}
+
+    def build(item: tuple[str, Any]) -> None:
+        name, spec = item
+        t = time.perf_counter()
+        spec.build(verbose=False)
+        times[name] = time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(specs)) as ex:
+        list(ex.map(build, specs.items()))
+    times["all (parallel)"] = time.perf_counter() - t0
+    r.data["warmup_s"] = times
+    r.table("FlashInfer JIT builds", ["module", "seconds"], [[k, v] for k, v in times.items()])
+
+
+def sec_pytest(r: Report) -> None:
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=max(60.0, min(400.0, r.left())),
+    )
+    tail = proc.stdout.strip().splitlines()[-25:]
+    r.data["pytest"] = {"rc": proc.returncode, "tail": tail, "s": time.perf_counter() - t}
+    r.say("\n### tests/test_gpu.py\n\n```\n" + "\n".join(tail) + "\n```\n")
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], flush=True)
+
+
+def sec_bandwidth(r: Report) -> None:
+    n = 2 << 30
+    x = torch.empty(n, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / 20
+    bw = 2 * n / (ms / 1e3)  # bytes read plus bytes written
+    r.data["copy_bw"] = bw
+    r.table(
+        "Copy bandwidth (device to device, read + write)",
+        ["bytes copied", "ms", "TB/s"],
+        [[f"{n / 2**30:.0f} GiB", ms, bw / 1e12]],
+    )
+    del x, y
+    free()
+
+
+BACKEND_HEADERS = ["model", "step kind", "steps compared", "worst relative error of logits"]
+CHUNK_HEADERS = [
+    "model",
+    "chunked run",
+    "prompts",
+    "same tokens",
+    "diverged at a near-tie",
+    "diverged (clear winner)",
+]
+LOGITS_HEADERS = [
+    "model",
+    "step",
+    "FlashInfer + graphs vs HF fp32",
+    "FlashInfer + graphs vs HF bf16",
+    "torch attention vs HF fp32",
+    "HF bf16 vs HF fp32 (yardstick)",
+]
+
+
+def logits_table_rows(
+    name: str,
+    make: Callable[..., LLM],
+    hf32: Any,
+    hf16: Any,
+    prompts: list[list[int]],
+    vocab: int,
+) -> tuple[list[list[Any]], dict[str, Any]]:
+    """Engine (FlashInfer with graphs, and torch attention) against HF fp32 and bf16."""
+    fi = make()
+    res = logits_rows(fi, {"fp32": hf32, "bf16": hf16}, prompts)
+    del fi
+    free()
+    ref = make(attention_backend="torch", cuda_graph=False)
+    tres = logits_rows(ref, {"fp32": hf32}, prompts)
+    del ref
+    free()
+    yard = logits_rows_hf(hf16, hf32, prompts, vocab)
+    rows = [
+        [name, k, res[f"fp32 {k}"], res[f"bf16 {k}"], tres[f"fp32 {k}"], yard[k]]
+        for k in ("prefill", "decode")
+    ]
+    return rows, {"flashinfer": res, "torch": tres, "hf_bf16_vs_fp32": yard}
+
+
+def sec_logits(r: Report) -> None:
+    llm = qwen_engine(max_running_req=16, num_pages=16384)
+    hf32 = hf_from_engine(llm, torch.float32, QWEN)
+    hf16 = hf_from_engine(llm, torch.bfloat16, QWEN)
+    del llm
+    prompts = [rand_ids(n, random.Random(n), QWEN_VOCAB) for n in (16, 512, 1500)]
+    rows, raw = logits_table_rows(
+        "Qwen3-0.6B shape, random",
+        lambda **kw: qwen_engine(max_running_req=16, num_pages=16384, **kw),
+        hf32,
+        hf16,
+        prompts,
+        QWEN_VOCAB,
+    )
+    r.data["logits_qwen3"] = raw
+    r.table("Logits against Hugging Face on the same (bf16) weights", LOGITS_HEADERS, rows)
+    r.say(
+        "Relative error = ||engine - HF|| / ||HF|| of one position's logits, worst over prompts of "
+        "16, 512 and 1500 tokens (prefill: the prompt's last position; decode: the 7 steps after "
+        "it); target <= 1e-2."
+    )
+    del hf32, hf16
+    free()
+
+
+def logits_rows_hf(
+    hf16: Any, hf32: Any, prompts: list[list[int]], vocab: int, new: int = 8
+) -> dict[str, float]:
+    """HF bf16 against HF fp32 on the same positions: what bf16 alone costs."""
+    worst = {"prefill": 0.0, "decode": 0.0}
+    for prompt in prompts:
+        ids = prompt + rand_ids(new - 1, random.Random(len(prompt)), vocab)
+        a, b = hf_logits(hf16, ids, new), hf_logits(hf32, ids, new)
+        worst["prefill"] = max(worst["prefill"], rel_err(a[0], b[0]))
+        worst["decode"] = max(
+            worst["decode"], max(rel_err(x, y) for x, y in zip(a[1:], b[1:], strict=True))
+        )
+    return worst
+
+
+def wide_dir(r: Report) -> Path:
+    if "wide_dir" not in r.data:
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="wide-qwen3-"))
+        make_wide_model(path, resolve("smollm2", progress=False).path, num_layers=4)
+        r.data["wide_dir"] = str(path)
+    return Path(r.data["wide_dir"])
+
+
+def sec_backends(r: Report) -> None:
+    rows = []
+    rng = random.Random(5)
+    cases: list[tuple[str, Callable[..., LLM], int]] = [
+        ("Qwen3-0.6B shape, random", qwen_engine, QWEN_VOCAB),
+        (
+            "wide random Qwen3 (4 layers)",
+            lambda **kw: LLM(
+                model=str(wide_dir(r)), device=DEV, progress=False, max_seq_len=2048, **kw
+            ),
+            49152,
+        ),
+    ]
+    for name, make, vocab in cases:
+        prompts = [rand_ids(100, rng, vocab), rand_ids(150, rng, vocab)]
+        late = rand_ids(700, rng, vocab)
+        fi = make(max_running_req=16, num_pages=16384)
+        a = phase_trace(fi, prompts, late)
+        del fi
+        free()
+        ref = make(max_running_req=16, num_pages=16384, attention_backend="torch", cuda_graph=False)
+        b = phase_trace(ref, prompts, late)
+        del ref
+        free()
+        for phase, errs in compare_phases(b, a).items():
+            rows.append([name, phase, len(errs), max(errs)])
+    r.data["backends"] = rows
+    r.table(
+        "FlashInfer against torch attention inside the engine (both bf16; FlashInfer with graphs)",
+        BACKEND_HEADERS,
+        rows,
+    )
+
+
+def sec_chunked(r: Report) -> None:
+    rows = []
+    rng = random.Random(7)
+    prompts = [rand_ids(rng.randint(200, 1200), rng) for _ in range(CHUNK_PROMPTS)]
+    wide = LLM(
+        model=str(wide_dir(r)),
+        device=DEV,
+        progress=False,
+        max_seq_len=2048,
+        max_running_req=32,
+        num_pages=65536,
+        cache_type="naive",
+    )
+    rows += chunk_rows(wide, prompts, "wide random Qwen3 (4 layers)")
+    del wide
+    free()
+    qwen = qwen_engine(max_running_req=32, num_pages=65536, cache_type="naive")
+    rows += chunk_rows(qwen, prompts, "Qwen3-0.6B shape, random")
+    del qwen
+    free()
+    r.data["chunked"] = rows
+    r.table(
+        f"Chunked against unchunked prefill (budget 8192), greedy, first 32 tokens of "
+        f"{CHUNK_PROMPTS} prompts of 200-1200 tokens",
+        CHUNK_HEADERS,
+        rows,
+    )
+
+
+def bench_engine(r: Report) -> LLM:
+    if r.bench_llm is None:
+        r.bench_llm = qwen_engine(
+            max_running_req=256,
+            max_seq_len=8320,
+            num_pages=256 * 680,
+            max_extend_tokens=16384,
+            cache_type="naive",
+        )
+    return r.bench_llm
+
+
+def sec_bench(r: Report) -> None:
+    bw = r.data.get("copy_bw") or 4.1e12
+    rows, raw = [], {}
+    variants: list[tuple[str, Callable[[], LLM], tuple[int, ...]]] = [
+        ("page 1, graphs", lambda: bench_engine(r), BATCHES),
+        (
+            "page 16, graphs",
+            lambda: qwen_engine(
+                max_running_req=256,
+                max_seq_len=1024,
+                num_pages=256 * 680 // 16,
+                page_size=16,
+                max_extend_tokens=16384,
+                cache_type="naive",
+            ),
+            (64, 256),
+        ),
+        (
+            "page 1, eager",
+            lambda: qwen_engine(
+                max_running_req=64,
+                max_seq_len=1024,
+                num_pages=64 * 680,
+                cuda_graph=False,
+                max_extend_tokens=16384,
+                cache_type="naive",
+            ),
+            (1, 64),
+        ),
+    ]
+    for name, make, batches in variants:
+        if r.left() < 60:
+            r.say(f"(skipped bench variant {name}: out of time)")
+            continue
+        llm = make()
+        runner_times = timed_runner(llm)
+        wbytes, kvtok = weight_bytes(llm), kv_bytes_per_token(llm)
+        for bs in batches:
+            rng = random.Random(bs)
+            runner_times.clear()
+            run = drive(
+                llm,
+                [rand_ids(PROMPT_LEN, rng) for _ in range(bs)],
+                SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+            )
+            dec = decode_times(run, bs)
+            mean = statistics.fmean(dec)
+            # runner.run of the decode steps: the last len(dec) calls
+            run_ms = statistics.median(runner_times[-len(dec) :]) * 1e3
+            ctx = PROMPT_LEN + NEW_TOKENS / 2  # mean context of a decode step
+            floor = (wbytes + bs * ctx * kvtok) / bw * 1e3
+            gpu = replay_ms(llm, bs) if llm.runner.graphs is not None else float("nan")
+            floor_end = (wbytes + bs * (PROMPT_LEN + NEW_TOKENS - 1) * kvtok) / bw * 1e3
+            row = {
+                "variant": name,
+                "batch": bs,
+                "step_ms_median": statistics.median(dec) * 1e3,
+                "step_ms_mean": mean * 1e3,
+                "runner_ms_median": run_ms,
+                "decode_tok_s": bs / mean,
+                "e2e_tok_s": bs * NEW_TOKENS / run["total_s"],
+                "floor_ms": floor,
+                "x_floor": mean * 1e3 / floor,
+                "replay_ms_ctx639": gpu,
+                "floor_ms_ctx639": floor_end,
+                "decode_steps": len(dec),
+            }
+            raw[f"{name} bs{bs}"] = row
+            rows.append(
+                [
+                    name,
+                    bs,
+                    row["step_ms_mean"],
+                    row["step_ms_median"],
+                    run_ms,
+                    gpu,
+                    floor,
+                    row["x_floor"],
+                    row["decode_tok_s"],
+                    row["e2e_tok_s"],
+                ]
+            )
+            print(row, flush=True)
+        del llm.runner.run  # back to the class's method
+        r.data["bench_meta"] = {"weight_bytes": wbytes, "kv_bytes_per_token": kvtok, "copy_bw": bw}
+        del llm
+        free()
+    r.data["bench"] = raw
+    meta = r.data.get("bench_meta", {})
+    wbytes, kvtok = meta.get("weight_bytes", 0), meta.get("kv_bytes_per_token", 0)
+    r.table(
+        f"Engine decode, Qwen3-0.6B shape (random bf16 weights), {PROMPT_LEN}-token prompts, "
+        f"{NEW_TOKENS} new tokens",
+        [
+            "variant",
+            "batch",
+            "step ms (mean)",
+            "step ms (median)",
+            "runner ms",
+            "graph replay ms (ctx 639)",
+            "memory floor ms (ctx 576)",
+            "step / floor",
+            "decode tok/s",
+            "end-to-end tok/s",
+        ],
+        rows,
+    )
+    r.say(
+        f"Weights {wbytes / 1e9:.2f} GB read once per step; KV {kvtok / 1e3:.0f} KB per cached "
+        f"token; floor = (weights + batch x context x KV per token) / {bw / 1e12:.2f} TB/s "
+        "(the measured copy rate). Step = the whole `LLM.step()` (schedule, runner, sampling, "
+        "detokenizing, events); runner = `ModelRunner.run` (inputs, plan, graph replay, "
+        "sampling); replay = GPU time of the graph alone."
+    )
+
+
+class Switch:
+    """One event hook whose target can change: None (bare), JSON serialization, or the server's."""
+
+    def __init__(self) -> None:
+        self.target: Callable[[Any], None] | None = None
+
+    def __call__(self, ev: Any) -> None:
+        if self.target is not None:
+            self.target(ev)
+
+
+class HookProxy:
+    """Stands in for the LLM when EngineLoop registers its hook, so the hook can be switched."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.hook: Callable[[Any], None] | None = None
+
+    def add_event_hook(self, fn: Callable[[Any], None]) -> None:
+        self.hook = fn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.llm, name)
+
+
+CLIENT = r"""
+import sys
+from websockets.sync.client import connect
+n = 0
+with connect(sys.argv[1], max_size=None, open_timeout=10) as ws:
+    print("connected", flush=True)
+    try:
+        for _ in ws:
+            n += 1
+    except Exception:
+        pass
+print(n, flush=True)
+"""
+
+
+def sec_overhead(r: Report) -> None:
+    from engine.server import EngineLoop
+    from instrumentation import messages
+    from instrumentation.publisher import Publisher, PublisherConfig
+    from instrumentation.recorder import Recorder
+
+    llm = bench_engine(r)
+    bs = 64
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    rng = random.Random(64)
+    results: dict[str, list[float]] = {}
+
+    def measure(mode: str, step: Callable[[], Any] | None = None) -> None:
+        run = drive(llm, [rand_ids(PROMPT_LEN, rng) for _ in range(bs)], params, step)
+        results.setdefault(mode, []).append(statistics.fmean(decode_times(run, bs)) * 1e3)
+
+    measure("bare (no hook)")
+    switch = Switch()
+    llm.add_event_hook(switch)
+    recorder = Recorder(config=llm.config_dict())
+    facts = llm.info.to_dict()
+    publisher = Publisher(
+        PublisherConfig(port=0),
+        hello=lambda: messages.hello(llm.now(), facts, dict(recorder.config), recorder.history()),
+        sinks=[lambda msg, _text: recorder.record(msg)],
+    )
+    publisher.start()
+    proxy = HookProxy(llm)
+    loop = EngineLoop(proxy, publisher.publish)
+    env = dict(os.environ)
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, publisher.url], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert client.stdout is not None
+    first = client.stdout.readline().strip()
+    for _ in range(100):
+        if publisher.clients:
+            break
+        time.sleep(0.05)
+    sent0 = publisher.messages_published
+    try:
+        for _ in range(2):
+            switch.target = None
+            measure("switch off")
+            switch.target = lambda ev: json.dumps(ev.to_dict())
+            measure("hook: json.dumps each event")
+            switch.target = proxy.hook
+            measure("server + 1 client", loop.run_once)
+            switch.target = None
+    finally:
+        publisher.stop()
+        out, _ = client.communicate(timeout=30)
+    received = int(out.strip().splitlines()[-1]) if out.strip() else -1
+    base = statistics.fmean(results["switch off"])
+    rows = [
+        [
+            mode,
+            statistics.fmean(v),
+            ", ".join(f"{x:.3f}" for x in v),
+            (statistics.fmean(v) / base - 1) * 100,
+        ]
+        for mode, v in results.items()
+    ]
+    r.data["overhead"] = {
+        "results_ms": results,
+        "client": first,
+        "published": publisher.messages_published - sent0,
+        "received": received,
+    }
+    r.table(
+        f"Instrumentation overhead: decode step at batch {bs} "
+        "(mean ms per run; two rounds, interleaved)",
+        ["mode", "mean step ms", "runs", "vs switch off (%)"],
+        rows,
+    )
+    r.say(
+        f"Server run: messages published {publisher.messages_published - sent0}, received by the "
+        f"client (another process) {received} (hello included)."
+    )
+    r.switch = switch
+
+
+def sec_stall(r: Report) -> None:
+    llm = bench_engine(r)
+    switch = r.switch
+    if switch is None:
+        switch = r.switch = Switch()
+        llm.add_event_hook(switch)
+    events: list[TokenEvent] = []
+    switch.target = lambda ev: events.append(ev) if isinstance(ev, TokenEvent) else None
+    rows, raw = [], []
+    rng = random.Random(11)
+    for policy in ("prefill_first", "mixed"):
+        for budget in (128, 512, 2048, 8192):
+            if r.left() < 20:
+                r.say(f"(skipped stall {policy} {budget}: out of time)")
+                continue
+            events.clear()
+            llm.set_config(max_extend_tokens=budget, policy=policy)
+            dec = [
+                llm.submit(rand_ids(128, rng), SamplingParams(max_tokens=1024, ignore_eos=True))
+                for _ in range(DECODERS)
+            ]
+            counts = dict.fromkeys(dec, 0)
+            prev: dict[int, float] = {}  # each decoder's latest token time
+            while min(counts.values()) < 2:
+                llm.step()
+                for ev in events:
+                    if ev.uid in counts:
+                        counts[ev.uid] += 1
+                        prev[ev.uid] = ev.t
+                events.clear()
+            t_sub = llm.now()
+            long = llm.submit(
+                rand_ids(LONG_PROMPT, rng), SamplingParams(max_tokens=8, ignore_eos=True)
+            )
+            first = None
+            after = 0
+            while after < 16:
+                llm.step()
+                if first is None:
+                    first = next((ev.t for ev in events if ev.uid == long), None)
+                else:
+                    after += 1
+            t_end = llm.now()
+            window = [ev for ev in events if ev.t <= t_end]
+            itl: list[float] = []  # a decoder's first gap starts at its last token before t_sub
+            for ev in window:
+                if ev.uid in prev:
+                    itl.append(ev.t - prev[ev.uid])
+                    prev[ev.uid] = ev.t
+            n_out = len(window)
+            span = t_end - t_sub
+            itl_ms = sorted(x * 1e3 for x in itl)
+            row = {
+                "policy": policy,
+                "budget": budget,
+                "ttft_s": (first or float("nan")) - t_sub,
+                "itl_p50_ms": _pct(itl_ms, 50),
+                "itl_p99_ms": _pct(itl_ms, 99),
+                "itl_max_ms": itl_ms[-1],
+                "out_tok_s": n_out / span,
+                "tok_s_with_prompt": (n_out + LONG_PROMPT) / span,
+                "window_s": span,
+            }
+            raw.append(row)
+            rows.append(
+                [
+                    policy,
+                    budget,
+                    row["ttft_s"] * 1e3,
+                    row["itl_p50_ms"],
+                    row["itl_p99_ms"],
+                    row["itl_max_ms"],
+                    row["out_tok_s"],
+                    row["tok_s_with_prompt"],
+                ]
+            )
+            print(row, flush=True)
+            for uid in [*dec, long]:
+                with contextlib.suppress(Exception):
+                    llm.abort(uid)
+            while llm.has_work():
+                llm.step()
+    switch.target = None
+    r.data["stall"] = raw
+    r.table(
+        f"Stall table: a {LONG_PROMPT:,}-token prompt arrives among {DECODERS} decoding requests "
+        "(Qwen3-0.6B shape)",
+        [
+            "policy",
+            "budget",
+            "TTFT of the long prompt (ms)",
+            "ITL p50 (ms)",
+            "ITL p99 (ms)",
+            "ITL max (ms)",
+            "output tok/s",
+            "tok/s incl. the prompt's 8,000",
+        ],
+        rows,
+    )
+    r.say(
+        "Window: from the long prompt's submission until 16 steps after its first token. ITL: gaps "
+        "between consecutive tokens of the 32 decoding requests ending in that window. "
+        "Output tok/s: tokens sampled in the window over its length."
+    )
+
+
+def _pct(xs: list[float], q: float) -> float:
+    from engine.metrics import percentile
+
+    v = percentile(xs, q)
+    return float("nan") if v is None else v
+
+
+class StepClock(LogitsProcessor):
+    """A logits processor that timestamps every generation step (after a device sync)."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        torch.cuda.synchronize()
+        self.t.append(time.perf_counter())
+        return scores
+
+
+def hf_generate(model: Any, bs: int, **kw: Any) -> dict[str, float]:
+    from transformers import LogitsProcessorList
+
+    ids = torch.randint(3, QWEN_VOCAB, (bs, PROMPT_LEN), device=DEV)
+    clock = StepClock()
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+            **kw,
+        )
+    total = time.perf_counter() - t
+    gaps = [b - a for a, b in zip(clock.t, clock.t[1:], strict=False)]
+    return {
+        "step_ms_median": statistics.median(gaps) * 1e3,
+        "step_ms_mean": statistics.fmean(gaps) * 1e3,
+        "decode_tok_s": bs / statistics.fmean(gaps),
+        "e2e_tok_s": bs * NEW_TOKENS / total,
+        "total_s": total,
+    }
+
+
+def hf_model() -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device(DEV):
+        return AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(QWEN), dtype=torch.bfloat16
+        ).eval()
+
+
+def sec_hf(r: Report) -> None:
+    model = hf_model()
+    rows, raw = [], {}
+    for bs in BATCHES:
+        if r.left() < 40:
+            r.say(f"(skipped HF default cache at batch {bs}: out of time)")
+            continue
+        res = hf_generate(model, bs)
+        raw[bs] = res
+        rows.append(
+            [
+                "default (dynamic)",
+                bs,
+                res["step_ms_mean"],
+                res["step_ms_median"],
+                res["decode_tok_s"],
+                res["e2e_tok_s"],
+            ]
+        )
+        print(bs, res, flush=True)
+    r.data["hf"] = raw
+    _hf_table(r, "default", rows)
+    del model
+    free()
+
+
+def sec_hf_static(r: Report, batches: list[int]) -> None:
+    model = hf_model()
+    rows, raw = [], {}
+    for bs in batches:
+        if r.left() < 150:
+            r.say(f"(skipped HF static cache at batch {bs}: out of time)")
+            continue
+        t = time.perf_counter()
+        hf_generate(model, bs, cache_implementation="static")  # compiles on first use
+        first = time.perf_counter() - t
+        res = hf_generate(model, bs, cache_implementation="static")
+        res["first_call_s"] = first
+        raw[bs] = res
+        rows.append(
+            [
+                f"static (first call {first:.0f} s)",
+                bs,
+                res["step_ms_mean"],
+                res["step_ms_median"],
+                res["decode_tok_s"],
+                res["e2e_tok_s"],
+            ]
+        )
+        print(bs, res, flush=True)
+        r.data["hf_static"] = raw
+    _hf_table(r, "static", rows)
+    del model
+    free()
+
+
+def _hf_table(r: Report, cache: str, rows: list[list[Any]]) -> None:
+    r.table(
+        f"Hugging Face generate, {cache} cache, same shapes (bf16, sdpa)",
+        [
+            "cache",
+            "batch",
+            "step ms (mean)",
+            "step ms (median)",
+            "decode tok/s",
+            "end-to-end tok/s",
+        ],
+        rows,
+    )
+
+
+def smollm2_path() -> Path | None:
+    """The converted SmolLM2 directory, converting $SMOLLM2_GGUF once if given; None when only
+    a tokenizer stub is here."""
+    target = cache_root() / BUNDLED_NAME
+    gguf = os.environ.get("SMOLLM2_GGUF")
+    if gguf and not (target / "model.safetensors").is_file():
+        convert_gguf(Path(gguf), target, progress=False)
+    return target if (target / "model.safetensors").is_file() else None
+
+
+def sec_smollm2(r: Report) -> None:
+    path = smollm2_path()
+    if path is None:
+        r.say("\n### SmolLM2\n\nNot run: the bundled SmolLM2 weights are not on this machine.\n")
+        return
+    from transformers import AutoModelForCausalLM
+
+    def make(**kw: Any) -> LLM:
+        args: dict[str, Any] = dict(
+            model=str(path), device=DEV, progress=False, max_running_req=32, num_pages=65536,
+            max_seq_len=2048, cache_type="naive",
+        )  # fmt: skip
+        return LLM(**{**args, **kw})
+
+    llm = make()
+    question = "What is the capital of France?"
+    answer = llm.generate([question], SamplingParams(max_tokens=16), chat=True)[0]["text"]
+    prompts = notes_prompts(llm, CHUNK_PROMPTS)
+    crow = chunk_rows(llm, prompts, "SmolLM2-135M-Instruct")
+    logit_prompts = [*prompts[:3], llm.encode(question, chat=True)]
+    del llm
+    free()
+    hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    hf32 = hf32.to(DEV).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV).eval()
+    rows, raw = logits_table_rows(
+        "SmolLM2-135M-Instruct", make, hf32, hf16, logit_prompts, hf32.config.vocab_size
+    )
+    r.table("SmolLM2: logits against Hugging Face on the same (bf16) weights", LOGITS_HEADERS, rows)
+    r.say(f"Greedy chat answer on the GPU to {question!r}: {answer!r}")
+    r.table(
+        "SmolLM2: chunked against unchunked prefill (budget 8192), greedy, first 32 tokens of "
+        f"{CHUNK_PROMPTS} chat prompts (150-900 tokens)",
+        CHUNK_HEADERS,
+        crow,
+    )
+    del hf32, hf16
+    free()
+    late = rand_ids(700, random.Random(9))
+    a = phase_trace(make(max_running_req=16, num_pages=16384), prompts[:2], late)
+    free()
+    b = phase_trace(
+        make(max_running_req=16, num_pages=16384, attention_backend="torch", cuda_graph=False),
+        prompts[:2],
+        late,
+    )
+    free()
+    brows = [
+        ["SmolLM2-135M-Instruct", ph, len(e), max(e)] for ph, e in compare_phases(b, a).items()
+    ]
+    r.table("SmolLM2: FlashInfer against torch attention inside the engine", BACKEND_HEADERS, brows)
+    r.data["smollm2"] = {"logits": raw, "chunked": crow, "backends": brows, "answer": answer}
+
+
+# -- main ----------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/gpu")))
+    ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "hf_static"))
+    ap.add_argument("--hf-static-batches", default="64,1,16,256")
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="skip what would start later")
+    args = ap.parse_args()
+    r = Report(args.out, args.deadline_s)
+    wanted = args.sections.split(",")
+    unknown = set(wanted) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; known: {SECTIONS}")
+    r.say(f"# GPU check ({' '.join(sys.argv)})\n")
+    sec_env(r)
+    for name in SECTIONS:
+        if name not in wanted:
+            continue
+        if r.left() < 10:
+            r.say(f"\n(skipped section {name}: out of time)\n")
+            continue
+        t = time.perf_counter()
+        print(f"\n=== {name} (at {r.elapsed():.0f} s) ===", flush=True)
+        try:
+            if name == "hf_static":
+                sec_hf_static(r, [int(b) for b in args.hf_static_batches.split(",")])
+            else:
+                globals()[f"sec_{name}"](r)
+        except Exception:
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+            r.say(f"\n### {name}: FAILED\n\n```\n{tb[-2500:]}\n```\n")
+        r.data.setdefault("section_s", {})[name] = time.perf_counter() - t
+        r.save()
+    r.say(f"\nTotal {r.elapsed():.0f} s.")
+    r.save()
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
