@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -149,6 +150,10 @@ class CommandHandler:
         except EngineError as exc:
             code = exc.code if exc.code in messages.ERROR_CODES else "invalid_request"
             self.publisher.reply(client, messages.error(cmd.id, code, str(exc)))  # type: ignore[arg-type]
+        except Exception:  # a bug here must still answer, and must not reach the engine loop
+            log.exception("command %r failed", type(cmd).__name__)
+            reason = "the server could not carry out this command"
+            self.publisher.reply(client, messages.error(cmd.id, "invalid_request", reason))
 
     async def _submit(self, client: Client, cmd: Submit) -> None:
         from engine.sampling import SamplingParams
@@ -254,9 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)  # no line per connection
 
     from engine import LLM
 
+    try:  # fail before a long model load, not after it
+        _check_port(args.host, args.port)
+    except OSError as exc:
+        print(f"stepscope: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
     print(f"stepscope: loading {args.model} on {args.device} ...", file=sys.stderr, flush=True)
     try:
         llm = LLM(
@@ -272,6 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stepscope: cannot start the engine: {exc}", file=sys.stderr)
         return 2
     return serve(llm, args)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Raise OSError if nothing could listen on host:port now (the real bind comes later)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
 
 
 def serve(llm: Any, args: argparse.Namespace) -> int:

@@ -114,6 +114,8 @@ def _submit(obj: dict[str, Any], command_id: str | None, vocab_size: int) -> Sub
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt:
             raise CommandError("invalid_request", "prompt must be a non-empty string")
+        if not _is_utf8(prompt):  # a JSON escape can smuggle in a lone surrogate
+            raise CommandError("invalid_request", "prompt is not valid Unicode")
     else:
         prompt = _input_ids(obj["input_ids"], vocab_size)
     chat = _bool(obj, "chat", False)
@@ -168,6 +170,14 @@ def _input_ids(value: Any, vocab_size: int) -> list[int]:
         if not 0 <= tok < vocab_size:
             raise CommandError("invalid_request", f"token id {tok} is outside [0, {vocab_size})")
     return value
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _int(obj: dict[str, Any], name: str, *, lo: int, hi: int | None, default: Any = ...) -> Any:

@@ -72,6 +72,7 @@ def test_unknown_type_echoes_id(kind: object) -> None:
         {},  # no prompt
         {"prompt": ""},
         {"prompt": 5},
+        {"prompt": "ok \ud800"},
         {"prompt": ["a"]},
         {"prompt": "x", "input_ids": [1]},
         {"input_ids": []},

@@ -124,9 +124,8 @@ def test_hello_lets_a_late_client_redraw_the_past(server: ServerProcess) -> None
     late = server.client()
     hello = late.hello
     engine = hello["engine"]
-    for key in ("model", "device", "dtype", "vocab_size", "page_size", "num_pages", "max_running_req",
-                "max_seq_len"):  # fmt: skip
-        assert key in engine
+    facts = ("model", "device", "dtype", "vocab_size", "page_size", "num_pages", "max_seq_len")
+    assert all(key in engine for key in facts)
     assert engine["vocab_size"] == 49152 and engine["max_frame_bytes"] == 2**20
     assert engine["max_running_req"] == MAX_RUNNING and hello["protocol"] == 1
     assert set(hello["config"]) == {"max_extend_tokens", "policy"}

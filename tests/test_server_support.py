@@ -107,7 +107,9 @@ class ServerProcess:
             args += ["--trace", str(trace)]
         self.proc = subprocess.Popen(
             args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # One torch thread: on a shared 2-core machine, OpenMP workers that spin-wait for a
+            # descheduled peer turn 4 ms steps into 200 ms ones, drowning what tests compare.
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         self.url = self._wait_ready()
         self.port = int(self.url.rsplit(":", 1)[1])

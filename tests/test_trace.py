@@ -23,8 +23,10 @@ def session() -> list[dict[str, Any]]:
     def step(n: int, t0: float, phase: str, *items: StepItem) -> dict[str, Any]:
         return StepRecord(n, t0, t0 + 0.1, phase, 4, "prefill_first", items, kv, q).to_dict()  # type: ignore[arg-type]
 
+    empty = {"steps": [], "requests": []}
+    done = {"output_len": 2, "finish_reason": "length", "text": "Hi!"}
     return [
-        messages.hello(0.0, {"model": "tiny"}, {"max_extend_tokens": 4}, {"steps": [], "requests": []}),
+        messages.hello(0.0, {"model": "tiny"}, {"max_extend_tokens": 4}, empty),
         RequestEvent(0, "queued", 0.0, {"prompt_len": 6, "max_tokens": 2}).to_dict(),
         RequestEvent(1, "queued", 0.05, {"prompt_len": 3, "max_tokens": 2}).to_dict(),
         step(0, 0.1, "prefill", StepItem(0, "chunk", 0, 4)),
@@ -35,7 +37,7 @@ def session() -> list[dict[str, Any]]:
         messages.config("c1", 0.32, {"max_extend_tokens": 8, "policy": "mixed"}),
         step(2, 0.4, "decode", StepItem(0, "decode", 6, 7)),
         TokenEvent(0, 0.5, 6, "!").to_dict(),
-        RequestEvent(0, "finished", 0.5, {"output_len": 2, "finish_reason": "length", "text": "Hi!"}).to_dict(),
+        RequestEvent(0, "finished", 0.5, done).to_dict(),
         RequestEvent(1, "aborted", 0.6).to_dict(),
     ]  # fmt: skip
 
