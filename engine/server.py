@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.config import CACHE_TYPES, POLICY_NAMES
@@ -56,7 +56,12 @@ class EngineLoop:
             queue.SimpleQueue()
         )
         self._stopping = False
-        llm.add_event_hook(self._pending.append)  # the whole hook: no work on the engine thread
+        # The whole event hook: no serializing or I/O on the engine thread (see `attach`).
+        self.on_event: Callable[[Any], None] = self._pending.append
+
+    def attach(self) -> EngineLoop:
+        self.llm.add_event_hook(self.on_event)
+        return self
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine thread between two steps (for reads that need a quiet engine)."""
@@ -97,7 +102,7 @@ class EngineLoop:
     def _flush(self) -> None:
         if self._pending:
             batch = self._pending.copy()
-            self._pending.clear()  # the same list: the hook holds its bound `append`
+            self._pending.clear()  # the same list: `on_event` is its bound `append`
             self.publish(batch)
 
     def _run_calls(self) -> None:
@@ -295,8 +300,24 @@ def _check_port(host: str, port: int) -> None:
         sock.bind((host, port))
 
 
-def serve(llm: Any, args: argparse.Namespace) -> int:
-    """Publish `llm` and run its loop until SIGINT or SIGTERM; returns the exit status."""
+@dataclass
+class Server:
+    """The parts `serve` wires together; `build` makes them without starting anything."""
+
+    llm: Any
+    publisher: Publisher
+    loop: EngineLoop
+    recorder: Recorder
+    trace: TraceWriter | None
+
+    def close(self) -> None:
+        self.publisher.stop()
+        if self.trace is not None:
+            self.trace.close()
+
+
+def build(llm: Any, args: argparse.Namespace) -> Server:
+    """Recorder, trace, publisher, engine loop and command handler around `llm` (not attached)."""
     max_frame = 2**20
     recorder = Recorder(max_steps=args.history_steps, config=llm.config_dict())
     engine_facts = {**llm.info.to_dict(), "max_frame_bytes": max_frame,
@@ -318,25 +339,29 @@ def serve(llm: Any, args: argparse.Namespace) -> int:
     publisher = Publisher(config, hello=hello, sinks=sinks)
     engine_loop = EngineLoop(llm, publisher.publish)
     publisher.on_frame = CommandHandler(llm, engine_loop, publisher, args.max_waiting).on_frame
+    return Server(llm, publisher, engine_loop, recorder, trace)
+
+
+def serve(llm: Any, args: argparse.Namespace) -> int:
+    """Publish `llm` and run its loop until SIGINT or SIGTERM; returns the exit status."""
+    server = build(llm, args)
+    server.loop.attach()
     try:
-        publisher.start()
+        server.publisher.start()
     except OSError as exc:
         print(f"stepscope: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: engine_loop.stop())
-    print(f"stepscope engine ready at {publisher.url}", flush=True)
+        signal.signal(sig, lambda *_: server.loop.stop())
+    print(f"stepscope engine ready at {server.publisher.url}", flush=True)
     status = 0
     try:
-        engine_loop.run()
+        server.loop.run()
     except Exception:
         log.exception("engine step failed; shutting down")
         status = 1
     finally:
-        publisher.stop()
-        if trace is not None:
-            trace.close()
+        server.close()
     print("stepscope: engine stopped", file=sys.stderr, flush=True)
     return status
 
