@@ -33,6 +33,12 @@ ENGINE_ARGS = tuple(shlex.split(os.environ.get("STEPSCOPE_ENGINE_ARGS", "")))
 REFRESH_S = sidebar.REFRESH_S
 
 
+@st.cache_resource(show_spinner=False)
+def engine_target() -> sidebar.Target:
+    """The URL every tab watches: one per process, like the connection it names."""
+    return sidebar.Target(DEFAULT_URL)
+
+
 def _close_link(link: EngineLink) -> None:
     link.close()
 
@@ -205,12 +211,14 @@ def views(link: EngineLink, launcher: Launcher) -> None:
 
 def main() -> None:
     st.set_page_config(page_title="stepscope", page_icon="🔭", layout="wide")
-    st.session_state.setdefault("url", DEFAULT_URL)
-    url = st.session_state["url"].strip()
-    problem = valid_url(url)
-    link = None if problem else engine_link(url)
+    target = engine_target()
+    # Another tab may have changed the process's URL: show it here too.
+    if st.session_state.get("url") != target.url:
+        st.session_state["url"] = target.url
+    problem = valid_url(target.url)
+    link = None if problem else engine_link(target.url)
     launcher = engine_launcher()
-    sidebar.render(link)
+    sidebar.render(link, target)
 
     st.markdown("## :material/monitoring: stepscope")
     st.caption(

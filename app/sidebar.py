@@ -15,6 +15,17 @@ REFRESH_S = 1.0
 DEFAULT_BUDGET = 256
 
 
+class Target:
+    """The engine URL shared by every tab of the app process (a cached resource holds it)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+def _on_url(target: Target) -> None:
+    target.url = str(st.session_state["url"]).strip()
+
+
 # ---- callbacks (run before the script, so widget state can still be changed) -----------------
 
 
@@ -95,10 +106,16 @@ def connection_badge(link: EngineLink) -> None:
         st.markdown(":red[●] **not connected**")
 
 
-def render(link: EngineLink | None) -> None:
+def render(link: EngineLink | None, target: Target) -> None:
     with st.sidebar:
         st.subheader("Engine")
-        st.text_input("Engine URL", key="url", help="A stepscope engine server (PROTOCOL.md).")
+        st.text_input(
+            "Engine URL",
+            key="url",
+            on_change=_on_url,
+            args=(target,),
+            help="A stepscope engine server (PROTOCOL.md); every tab of this app follows it.",
+        )
         if link is None:
             return
         st.fragment(connection_badge, run_every=REFRESH_S * 2)(link)

@@ -243,6 +243,18 @@ def test_an_invalid_url_is_explained(app: AppTest) -> None:
     assert any("must start with ws://" in t for t in texts(app.error))
 
 
+def test_a_url_change_in_one_tab_moves_every_tab(app: AppTest, peer: AppPeer) -> None:
+    other_tab = AppTest.from_file(APP, default_timeout=30)
+    other_tab.run()
+    with AppPeer() as second:
+        app.text_input(key="url").input(second.url).run()
+        assert settle(other_tab, lambda: connected(other_tab))
+        assert other_tab.text_input(key="url").value == second.url
+        other_tab.select_slider(key="budget_slider").set_value(2).run()
+        assert [c["max_extend_tokens"] for c in second.received("set_config")] == [2]
+    assert peer.received("set_config") == []
+
+
 def test_nothing_answering_is_said_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
     with AppPeer() as gone:
         url = gone.url
