@@ -6,13 +6,18 @@ thread through the engine link, so the page stays responsive while it waits for 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from app import controls
 from app.state import EventStore, Message
+
+_LIVE = frozenset({"waiting", "running"})
+_RUNS = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -22,10 +27,14 @@ class Submit:
     chat: bool = False
     ignore_eos: bool = False
     temperature: float = 0.0
+    # Starts the prompt with the run's tag, so that playing the preset again (say, under the
+    # other policy) is not served from the prefix cache and really chunks the prompt again.
+    fresh: bool = False
 
-    def command(self) -> Message:
+    def command(self, run_tag: str = "") -> Message:
+        prompt = f"({run_tag}) {self.prompt}" if self.fresh and run_tag else self.prompt
         return controls.submit(
-            self.prompt, self.max_tokens, self.temperature, self.chat, self.ignore_eos
+            prompt, self.max_tokens, self.temperature, self.chat, self.ignore_eos
         )
 
 
@@ -121,7 +130,7 @@ PRESETS: tuple[Preset, ...] = (
         (
             *(Submit(p, max_tokens=96, chat=True, ignore_eos=True) for p in CHAT_PROMPTS),
             AwaitTokens(8),
-            Submit(LONG_PROMPT, max_tokens=16),
+            Submit(LONG_PROMPT, max_tokens=16, fresh=True),
         ),
     ),
     Preset(
@@ -174,6 +183,7 @@ class PresetRun:
     done_actions: int = 0
     finished: bool = False
     waiting_for: str | None = None
+    tag: str = field(default_factory=lambda: f"run {next(_RUNS)} {uuid.uuid4().hex[:6]}")
 
     def start(self, link: Sender) -> PresetRun:
         threading.Thread(target=self._play, args=(link,), daemon=True).start()
@@ -184,6 +194,8 @@ class PresetRun:
             for action in self.preset.actions:
                 if isinstance(action, AwaitTokens):
                     self._await(link.store, action)
+                elif isinstance(action, Submit):
+                    self._send(link, action.command(self.tag))
                 else:
                     self._send(link, action.command())
                 self.done_actions += 1
@@ -214,6 +226,3 @@ class PresetRun:
                 return
             time.sleep(0.05)
         self.errors.append(f"gave up waiting for tokens after {action.timeout_s:.0f} s")
-
-
-_LIVE = frozenset({"waiting", "running"})

@@ -6,6 +6,7 @@ peer received, not what the script meant to send.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -175,12 +176,25 @@ def test_stall_preset_sends_the_long_prompt_after_the_chats_decode(
     assert peer.wait_for(lambda: len(peer.received("submit")) == 5, timeout=30)
     sent = peer.received("submit")
     assert all(c["chat"] and c["max_tokens"] == 96 for c in sent[:4])
-    assert sent[4]["prompt"] == workloads.LONG_PROMPT
+    assert sent[4]["prompt"].endswith(workloads.LONG_PROMPT)
     # The long prompt went out only once every chat had decoded a few tokens.
     at_long = peer.sim.requests[4].t_queued
     for uid in range(4):
         req = peer.sim.requests[uid]
         assert req.t_first_token is not None and req.t_first_token < at_long
+
+
+def test_stall_preset_played_twice_is_not_served_by_the_prefix_cache(
+    app: AppTest, peer: AppPeer
+) -> None:
+    for n in (1, 2):
+        app.button(key="preset-stall").click().run()
+        assert peer.wait_for(lambda n=n: len(peer.received("submit")) == 5 * n, timeout=30)
+    chats = [c["prompt"] for c in peer.received("submit") if c["chat"]]
+    long_prompts = [c["prompt"] for c in peer.received("submit") if not c["chat"]]
+    assert chats[:4] == chats[4:]
+    # The two long prompts part within their first few characters: no prefix-cache hit to speak of.
+    assert len(os.path.commonprefix(long_prompts)) < 10
 
 
 def test_shared_prefix_and_burst_presets(app: AppTest, peer: AppPeer) -> None:
