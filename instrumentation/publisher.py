@@ -22,9 +22,10 @@ from ipaddress import ip_address
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, broadcast, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.protocol import State
 
 log = logging.getLogger("stepscope.publisher")
 
@@ -40,6 +41,7 @@ class Record(Protocol):
 Sink = Callable[[Message, str], None]
 LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1"))
 CLOSE_TOO_SLOW = 1008  # policy violation: the client did not read its messages
+WRITE_LIMIT = 2**16  # bytes in a connection's write buffer beyond which messages wait in its outbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,11 @@ def token_presented(request: Request) -> str | None:
 
 
 class Client:
-    """One connection's bounded outbox; only the server thread touches it."""
+    """One connection's bounded outbox; only the server thread touches it.
+
+    While the outbox is empty and the socket keeps up, messages are written straight to the
+    connection; otherwise they wait in the outbox, whose oldest entries go first when it is full.
+    """
 
     def __init__(self, ws: ServerConnection, capacity: int) -> None:
         self.ws = ws
@@ -90,6 +96,9 @@ class Client:
         self.capacity = capacity
         self.dropped_total = 0
         self.dropped_behind = 0  # drops since the outbox was last empty
+
+    def can_write_now(self) -> bool:
+        return not self.outbox and self.ws.transport.get_write_buffer_size() <= WRITE_LIMIT
 
     def push(self, text: str) -> None:
         if len(self.outbox) >= self.capacity:
@@ -167,8 +176,8 @@ class Publisher:
         self._fan_out([message])
 
     def reply(self, client: Client, message: Message) -> None:
-        """Server thread only: send to one client, through its ordered outbox."""
-        client.push(json.dumps(message))
+        """Server thread only: send to one client, in order with everything else it gets."""
+        _deliver([client], [json.dumps(message)])
 
     def counters(self) -> dict[str, int]:
         """Server thread only: connection and delivery counters for the `stats` reply."""
@@ -180,14 +189,15 @@ class Publisher:
         }
 
     def _fan_out(self, messages: list[Message | Record]) -> None:
+        texts = []
         for item in messages:
             msg = item if isinstance(item, dict) else item.to_dict()
             text = json.dumps(msg)  # once, shared by every client
             for sink in self._sinks:
                 sink(msg, text)
-            for client in self.clients:
-                client.push(text)
-            self.messages_published += 1
+            texts.append(text)
+        _deliver(self.clients, texts)
+        self.messages_published += len(texts)
         for client in [c for c in self.clients if c.dropped_behind > self.config.drop_limit]:
             self._disconnect_slow(client)
 
@@ -218,6 +228,7 @@ class Publisher:
             process_request=self._check_request,
             max_size=self.config.max_frame_bytes,
             compression=None,  # per-connection deflate would undo "serialize once"
+            write_limit=WRITE_LIMIT,
             close_timeout=2,
         )
         self.port = server.sockets[0].getsockname()[1]
@@ -238,10 +249,11 @@ class Publisher:
 
     async def _handle(self, ws: ServerConnection) -> None:
         client = Client(ws, self.config.client_queue)
-        # No await between building hello and joining the fan-out: nothing is missed or doubled.
-        hello_text = json.dumps(self._hello())
+        # No await between writing hello and joining the fan-out: nothing is missed or doubled.
+        # Hello goes straight to the socket buffer, so a full outbox can never drop it.
+        broadcast([ws], json.dumps(self._hello()))
         self.clients.add(client)
-        sender = asyncio.create_task(self._send_loop(client, hello_text))
+        sender = asyncio.create_task(self._send_loop(client))
         try:
             async for frame in ws:
                 try:
@@ -256,10 +268,10 @@ class Publisher:
                 self.clients.discard(client)
                 self.dropped_total += client.dropped_total
 
-    async def _send_loop(self, client: Client, hello_text: str) -> None:
+    async def _send_loop(self, client: Client) -> None:
+        """Drains the outbox, waiting for the socket whenever its buffer is full."""
         ws = client.ws
         try:
-            await ws.send(hello_text)
             while True:
                 while not client.outbox:
                     client.dropped_behind = 0
@@ -268,6 +280,35 @@ class Publisher:
                 await ws.send(client.outbox.popleft())
         except ConnectionClosed:
             pass
+
+
+def _deliver(clients: Iterable[Client], texts: list[str]) -> None:
+    """Write a batch to every client that keeps up, queue it for the others; never waits."""
+    payloads: list[bytes] | None = None
+    for client in clients:
+        if not client.can_write_now():
+            for text in texts:
+                client.push(text)
+            continue
+        payloads = payloads or [t.encode() for t in texts]
+        _write_frames(client.ws, payloads)
+
+
+def _write_frames(ws: ServerConnection, payloads: list[bytes]) -> None:
+    """One socket write for a whole batch of text frames (as `broadcast` does for one message).
+
+    A write per message costs a system call and a wake-up of the reader each time, which on a
+    CPU engine is most of what publishing costs.
+    """
+    protocol = ws.protocol
+    if protocol.state is not State.OPEN:  # closing: its handler is about to finish
+        return
+    try:
+        for payload in payloads:
+            protocol.send_text(payload)
+        ws.transport.write(b"".join(protocol.data_to_send()))
+    except Exception:  # as `broadcast` does: a failing connection is closed by its handler
+        log.warning("could not write to a client", exc_info=True)
 
 
 async def _ignore_frame(client: Client, frame: str | bytes) -> None:

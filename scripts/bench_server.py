@@ -1,0 +1,314 @@
+"""Benchmarks of the engine server: instrumentation overhead, and a soak over the socket.
+
+    python scripts/bench_server.py overhead [--model smollm2] [--pairs 3]
+    python scripts/bench_server.py soak [--model tiny] [--requests 2000]
+
+`overhead` runs the same workload on one engine, alternating rounds without and with the whole
+server stack (event hook, recorder, publisher thread, one connected client in another process
+that reads and parses every message), and prints the step-time ratio. `soak` starts
+`python -m engine.server` and drives it over the WebSocket with random requests, budget and
+policy changes and aborts, then asks the server to check its page accounting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def tiny_model(dst: Path) -> Path:
+    """A tiny random-weight Llama with the SmolLM2 tokenizer (what the tests use)."""
+    from engine.models.loader import resolve
+    from tests.models import make_tiny
+
+    return make_tiny("llama", dst, resolve("smollm2", progress=False).path)
+
+
+def model_path(name: str, tmp: Path) -> str:
+    return str(tiny_model(tmp / "tiny")) if name == "tiny" else name
+
+
+# -- overhead ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    mode: str
+    steps: int = 0
+    step_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+
+def reader(url: str) -> None:
+    """The connected client of the overhead run: reads and parses everything until closed."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    count = 0
+    with connect(url, max_size=None, compression=None) as ws:
+        json.loads(ws.recv())
+        print("connected", flush=True)
+        try:
+            while True:
+                json.loads(ws.recv())
+                count += 1
+        except ConnectionClosed:
+            pass
+    print(count, flush=True)
+
+
+def overhead(args: argparse.Namespace) -> None:
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.server import build, build_parser
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(model_path(args.model, Path(tmp)), max_running_req=8, progress=False)
+    server = build(llm, build_parser().parse_args(["--port", "0"]))
+    instrumented = False
+
+    def hook(ev: Any) -> None:  # off during bare rounds: one call and a test per event
+        if instrumented:
+            server.loop.on_event(ev)
+
+    llm.add_event_hook(hook)
+    server.publisher.start()
+    client = None
+    if not args.no_client:
+        client = subprocess.Popen(
+            [sys.executable, __file__, "read", server.publisher.url],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert client.stdout is not None and client.stdout.readline().strip() == "connected"
+    lengths = [int(n) for n in args.lengths.split(",")]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+
+    def run(mode: str, seed: int) -> Round:
+        nonlocal instrumented
+        instrumented = mode == "server"
+        rng = random.Random(seed)  # fresh prompts each round: no prefix-cache hits
+        for n in lengths:
+            llm.submit([rng.randrange(3, llm.info.vocab_size) for _ in range(n)], params)
+        rnd = Round(mode)
+        start = time.perf_counter()
+        while llm.has_work():
+            t = time.perf_counter()
+            record = server.loop.run_once() if instrumented else llm.step()
+            if record is not None:
+                rnd.step_seconds += time.perf_counter() - t
+                rnd.steps += 1
+        rnd.wall_seconds = time.perf_counter() - start
+        return rnd
+
+    run("bare", 0)  # warm-up
+    rounds = []
+    for k in range(args.pairs):
+        order = ("bare", "server") if k % 2 == 0 else ("server", "bare")
+        rounds += [run(mode, 1000 + 2 * k + j) for j, mode in enumerate(order)]
+    server.close()
+    delivered = int(client.communicate(timeout=60)[0].strip() or 0) if client else 0
+
+    print(f"\nmodel {llm.info.model} on {llm.info.device}, torch threads {torch.get_num_threads()}")
+    print(f"workload per round: prompts of {lengths} tokens, {args.max_tokens} output tokens each")
+    print(f"{'mode':8} {'rounds':>6} {'steps':>6} {'median step ms':>15} {'median round s':>15}")
+    for mode in ("bare", "server"):
+        mine = [r for r in rounds if r.mode == mode]
+        step_ms = statistics.median(1e3 * r.step_seconds / r.steps for r in mine)
+        wall = statistics.median(r.wall_seconds for r in mine)
+        print(f"{mode:8} {len(mine):6d} {mine[0].steps:6d} {step_ms:15.2f} {wall:15.3f}")
+    # Each pair ran back to back, so its ratio is the least disturbed by other load on the host.
+    pairs = [(rounds[i], rounds[i + 1]) for i in range(0, len(rounds), 2)]
+    ratios = [
+        (b.step_seconds if b.mode == "server" else a.step_seconds)
+        / (a.step_seconds if a.mode == "bare" else b.step_seconds)
+        for a, b in pairs
+    ]
+    print("step-time ratio server/bare per pair: " + " ".join(f"{r:.3f}" for r in ratios))
+    print(f"median ratio: {statistics.median(ratios):.4f}")
+    print(f"messages delivered to the connected client: {delivered}")
+
+
+# -- soak -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Soak:
+    rng: random.Random
+    vocab: int
+    max_seq: int
+    live: set[int] = field(default_factory=set)
+    ended: list[int] = field(default_factory=list)
+    unanswered: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def submit(self) -> dict[str, Any]:
+        rng, roll = self.rng, self.rng.random()
+        cmd: dict[str, Any] = {"type": "submit", "id": "s"}
+        if roll < 0.04:  # can never fit
+            cmd["input_ids"] = [5] * (self.max_seq + rng.randrange(1, 100))
+        elif roll < 0.07:  # out of range
+            cmd |= {"prompt": "hi", rng.choice(["max_tokens", "top_p", "top_k"]): 0}
+        elif roll < 0.20:  # text, sometimes through the chat template
+            words = rng.choices(["the", "sea", "was", "calm", "and", "Paris", "is"], k=30)
+            cmd |= {"prompt": " ".join(words), "chat": rng.random() < 0.5}
+        else:
+            n = int(rng.triangular(1, self.max_seq // 2, 16))
+            cmd["input_ids"] = [rng.randrange(3, self.vocab) for _ in range(n)]
+        cmd["max_tokens"] = cmd.get("max_tokens", rng.randrange(1, 65))
+        if rng.random() < 0.3:
+            cmd |= {"temperature": rng.uniform(0.5, 1.5), "top_k": rng.choice([-1, 5, 50]),
+                    "top_p": rng.uniform(0.5, 1.0), "seed": rng.randrange(2**31)}  # fmt: skip
+        return cmd
+
+    def on_message(self, m: dict[str, Any]) -> None:
+        kind = m["type"]
+        if kind == "accepted":
+            self.unanswered -= 1
+            self.live.add(m["uid"])
+            self.counts["accepted"] += 1
+        elif kind == "error":
+            if m["id"] == "s":
+                self.unanswered -= 1
+            self.counts[f"error {m['code']}"] += 1
+        elif kind == "request" and m["event"] in ("finished", "aborted", "rejected"):
+            self.live.discard(m["uid"])
+            self.ended.append(m["uid"])
+            self.counts[m["event"]] += 1
+        elif kind == "token":
+            self.counts["tokens"] += 1
+        elif kind == "config":
+            self.counts["config"] += 1
+
+
+async def soak_client(url: str, requests: int, seed: int, window: int) -> tuple[Soak, dict]:
+    from websockets.asyncio.client import connect
+
+    async with connect(url, max_size=None, compression=None) as ws:
+        hello = json.loads(await ws.recv())
+        s = Soak(random.Random(seed), hello["engine"]["vocab_size"], hello["engine"]["max_seq_len"])
+        stats: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+
+        async def read() -> None:
+            async for frame in ws:
+                m = json.loads(frame)
+                if m["type"] == "stats":
+                    stats.set_result(m)
+                    return
+                s.on_message(m)
+
+        reading = asyncio.create_task(read())
+        for _ in range(requests):
+            while len(s.live) + s.unanswered >= window:
+                await asyncio.sleep(0.005)
+            s.unanswered += 1
+            await ws.send(json.dumps(s.submit()))
+            if s.rng.random() < 0.05:
+                budget = s.rng.choice([1, 2, 4, 16, 64, 256, 512, s.rng.randrange(1, 1024)])
+                policy = s.rng.choice(["prefill_first", "mixed"])
+                await ws.send(json.dumps({"type": "set_config", "max_extend_tokens": budget,
+                                          "policy": policy}))  # fmt: skip
+            if s.rng.random() < 0.12 and (s.live or s.ended):
+                pool = sorted(s.live) if s.live and s.rng.random() < 0.8 else s.ended
+                await ws.send(json.dumps({"type": "abort", "uid": s.rng.choice(pool)}))
+        while s.live or s.unanswered:
+            await asyncio.sleep(0.05)
+        await ws.send(json.dumps({"type": "stats", "id": "final"}))
+        await reading
+        return s, stats.result()
+
+
+def soak(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "engine.server", "--model", model_path(args.model, Path(tmp)),
+               "--port", "0", "--max-running-req", "16", "--max-waiting", str(args.max_waiting),
+               "--max-seq-len", "1024"]  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = line.split(" at ", 1)[1].strip()
+        start = time.perf_counter()
+        s, stats = asyncio.run(soak_client(url, args.requests, args.seed, args.window))
+        wall = time.perf_counter() - start
+        proc.terminate()
+        code = proc.wait(timeout=60)
+    c = s.counts
+    rejected = c["error capacity"] + c["error too_large"] + c["error invalid_request"]
+    rows = [
+        ("requests submitted", args.requests),
+        ("accepted", c["accepted"]),
+        ("served (finished)", c["finished"]),
+        ("aborted", c["aborted"]),
+        ("rejected at submit", rejected),
+        ("  capacity / too_large / invalid_request",
+         f"{c['error capacity']} / {c['error too_large']} / {c['error invalid_request']}"),
+        ("rejected later (request event)", c["rejected"]),
+        ("aborts of ended uids (not_found)", c["error not_found"]),
+        ("set_config broadcasts", c["config"]),
+        ("tokens generated", c["tokens"]),
+        ("engine steps", stats["steps"]),
+        ("wall time s", f"{wall:.1f}"),
+        ("integrity", stats["integrity"]),
+        ("kv at the end (pages)", json.dumps(stats["kv"])),
+        ("queue at the end", json.dumps(stats["queue"])),
+        ("engine errors", stats["engine_errors"]),
+        ("server exit status", code),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    ok = (
+        stats["integrity"] == "ok" and stats["engine_errors"] == 0 and stats["kv"]["used"] == 0
+        and stats["kv"]["reserved"] == 0 and c["accepted"] == c["finished"] + c["aborted"]
+        + c["rejected"] and code == 0
+    )  # fmt: skip
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    o = sub.add_parser("overhead", help="step time with the server stack vs the bare engine")
+    o.add_argument("--model", default="smollm2", help="'smollm2', 'tiny' or a model directory")
+    o.add_argument("--pairs", type=int, default=3, help="bare/server round pairs")
+    o.add_argument("--max-tokens", type=int, default=16)
+    o.add_argument("--lengths", default="256,64,16,8,4", help="prompt lengths of one round")
+    o.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    o.add_argument("--no-client", action="store_true", help="serve, but connect no client")
+    k = sub.add_parser("soak", help="random traffic over the socket, then an integrity check")
+    k.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or a model directory")
+    k.add_argument("--requests", type=int, default=2000)
+    k.add_argument("--window", type=int, default=48, help="requests in flight at most")
+    k.add_argument("--max-waiting", type=int, default=32, help="the server's --max-waiting")
+    k.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("read", help=argparse.SUPPRESS)
+    r.add_argument("url")
+    args = p.parse_args()
+    if args.command == "read":
+        reader(args.url)
+        return 0
+    if args.command == "overhead":
+        overhead(args)
+        return 0
+    return soak(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
