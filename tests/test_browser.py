@@ -32,7 +32,12 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
-pytestmark = pytest.mark.browser
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="Debian's chromium is not installed at /usr/bin/chromium"
+    ),
+]
 
 
 def free_port() -> int:
@@ -127,9 +132,8 @@ def submit(page: object, prompt: str, max_tokens: int) -> None:
 
 
 def test_submit_watch_steps_and_move_the_budget_slider(page_url: str, tmp_path: Path) -> None:
-    if not CHROMIUM.exists():
-        pytest.skip("Debian's chromium is not installed at /usr/bin/chromium")
-    from playwright.sync_api import expect, sync_playwright
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    expect, sync_playwright = sync_api.expect, sync_api.sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
