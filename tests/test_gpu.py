@@ -24,7 +24,12 @@ pytestmark = [
 ]
 
 BF16_RTOL = 1e-2  # relative (Frobenius) error allowed between bf16 results
-TIE_RTOL = 2e-2  # a top-2 logit gap under this share of the logits' RMS is a near-tie in bf16
+# A random model amplifies bf16 rounding through its layers, and Hugging Face's own bf16 run
+# carries that error too: the engine may be this many times as far from fp32 as HF bf16 is.
+HF_BF16_FACTOR = 2.0
+# A greedy divergence is a near-tie when the reference's top-2 gap is within this many RMS of
+# the two runs' logit difference at that step (their inputs being identical up to there).
+TIE_NOISE = 4.0
 # (num_heads, num_kv_heads, head_dim): Qwen3-0.6B's attention, and SmolLM2's (groups of 3)
 HEAD_SHAPES = [(16, 8, 128), (9, 3, 64)]
 
@@ -45,8 +50,9 @@ def make_wide_model(
     head_dim: int = 128,
     seed: int = 0,
 ) -> Path:
-    """A random Hugging Face model directory whose weights spread widely (clear greedy margins),
-    with FlashInfer-sized heads and the bundled tokenizer's 49,152-token vocabulary."""
+    """A random Hugging Face model directory with FlashInfer-sized heads and the bundled
+    tokenizer's 49,152-token vocabulary. Embeddings spread widely (clear greedy margins); the
+    projections keep activations at scale, so bf16 rounding is not amplified layer by layer."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common: dict[str, Any] = dict(
@@ -73,7 +79,7 @@ def make_wide_model(
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             else:
-                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.1)
+                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.03)
     model.save_pretrained(path)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
@@ -129,22 +135,25 @@ def trace_run(llm: Any, prompts: list[list[int]], params: Any) -> list[Trace]:
     return [traces[u] for u in uids]
 
 
-def compare_greedy(ref: list[Trace], other: list[Trace], n_tokens: int) -> dict[str, int]:
-    """Per request over its first n_tokens: `same`, diverged at a near-tie of the reference's
-    logits (`ties`: bf16 rounding may pick either), or diverged where the reference had a
-    clear winner (`mismatches`: a bug)."""
-    counts = {"same": 0, "ties": 0, "mismatches": 0}
+def compare_greedy(ref: list[Trace], other: list[Trace], n_tokens: int) -> dict[str, Any]:
+    """Per request over its first n_tokens: `same`; diverged at a near-tie (`ties`: the two
+    runs' logits differ by bf16 noise and the reference's top-2 gap is within that noise); or
+    diverged where the reference had a clear winner (`mismatches`: a bug). `worst_rel_err` is
+    the largest relative logits difference at steps whose inputs were still identical."""
+    out: dict[str, Any] = {"same": 0, "ties": 0, "mismatches": 0, "worst_rel_err": 0.0}
     for a, b in zip(ref, other, strict=True):
         ta, tb = a.tokens[:n_tokens], b.tokens[:n_tokens]
-        if ta == tb:
-            counts["same"] += 1
+        j = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), None)
+        last = len(ta) - 1 if j is None else j  # inputs are identical up to and with step j
+        for i in range(last + 1):
+            out["worst_rel_err"] = max(out["worst_rel_err"], rel_err(b.logits[i], a.logits[i]))
+        if j is None:
+            out["same"] += 1
             continue
-        j = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y)
-        row = a.logits[j]
-        margin = float(row[ta[j]] - row[tb[j]])
-        tie = margin <= TIE_RTOL * float(row.float().pow(2).mean().sqrt())
-        counts["ties" if tie else "mismatches"] += 1
-    return counts
+        row, noise = a.logits[j], (a.logits[j] - b.logits[j]).pow(2).mean().sqrt()
+        tie = float(row[ta[j]] - row[tb[j]]) <= TIE_NOISE * float(noise)
+        out["ties" if tie else "mismatches"] += 1
+    return out
 
 
 def hf_logits(model: Any, ids: list[int], last: int) -> torch.Tensor:
@@ -284,17 +293,19 @@ def test_engine_logits_match_hf(
 
     path = request.getfixturevalue(model)
     llm = make_llm(path)
-    hf = hf_reference(path)
+    hf32, hf16 = hf_reference(path), hf_reference(path).to(torch.bfloat16)
     assert llm.info.attention_backend == "flashinfer"
+    worst_engine = worst_hf16 = 0.0
     for prompt in random_prompts(3, 5, 400, seed=2):
         with LogitTap() as tap:
             out = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
-        ids = prompt + out["token_ids"]
-        ref = hf_logits(hf, ids[:-1], len(out["token_ids"]))
+        ids, n = prompt + out["token_ids"], len(out["token_ids"])
+        ref, bf16 = hf_logits(hf32, ids[:-1], n), hf_logits(hf16, ids[:-1], n)
         got = torch.cat(tap.calls)  # the prefill's last position, then one row per decode step
         assert got.shape == ref.shape
-        for step in range(len(ref)):
-            assert rel_err(got[step], ref[step]) < BF16_RTOL, f"step {step}"
+        worst_engine = max(worst_engine, *(rel_err(g, r) for g, r in zip(got, ref, strict=True)))
+        worst_hf16 = max(worst_hf16, *(rel_err(h, r) for h, r in zip(bf16, ref, strict=True)))
+    assert worst_engine <= max(BF16_RTOL, HF_BF16_FACTOR * worst_hf16), (worst_engine, worst_hf16)
 
 
 def test_cuda_graph_matches_eager(make_llm: Callable[..., Any], wide_qwen3: Path) -> None:
