@@ -753,20 +753,6 @@ class Switch:
             self.target(ev)
 
 
-class HookProxy:
-    """Stands in for the LLM when EngineLoop registers its hook, so the hook can be switched."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.hook: Callable[[Any], None] | None = None
-
-    def add_event_hook(self, fn: Callable[[Any], None]) -> None:
-        self.hook = fn
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.llm, name)
-
-
 CLIENT = r"""
 import sys
 from websockets.sync.client import connect
@@ -783,10 +769,7 @@ print(n, flush=True)
 
 
 def sec_overhead(r: Report) -> None:
-    from engine.server import EngineLoop
-    from instrumentation import messages
-    from instrumentation.publisher import Publisher, PublisherConfig
-    from instrumentation.recorder import Recorder
+    from engine.server import build, build_parser
 
     llm = bench_engine(r)
     bs = 64
@@ -803,16 +786,11 @@ def sec_overhead(r: Report) -> None:
     measure("bare (no hook)")
     switch = Switch()
     llm.add_event_hook(switch)
-    recorder = Recorder(config=llm.config_dict())
-    facts = llm.info.to_dict()
-    publisher = Publisher(
-        PublisherConfig(port=0),
-        hello=lambda: messages.hello(llm.now(), facts, dict(recorder.config), recorder.history()),
-        sinks=[lambda msg, _text: recorder.record(msg)],
-    )
+    # the server's own wiring (recorder, publisher, engine loop, command handler); its event
+    # hook goes behind the switch instead of being attached for good
+    server = build(llm, build_parser().parse_args(["--port", "0"]))
+    publisher, loop = server.publisher, server.loop
     publisher.start()
-    proxy = HookProxy(llm)
-    loop = EngineLoop(proxy, publisher.publish)
     env = dict(os.environ)
     client = subprocess.Popen(
         [sys.executable, "-c", CLIENT, publisher.url], stdout=subprocess.PIPE, text=True, env=env
@@ -830,7 +808,7 @@ def sec_overhead(r: Report) -> None:
             measure("switch off")
             switch.target = lambda ev: json.dumps(ev.to_dict())
             measure("hook: json.dumps each event")
-            switch.target = proxy.hook
+            switch.target = loop.on_event
             measure("server + 1 client", loop.run_once)
             switch.target = None
     finally:
