@@ -1,7 +1,8 @@
 """IncrementalDetokenizer: the text each new token adds, without re-decoding the whole output.
 
 A token can end inside a multi-byte character; its text is held back until the character is
-complete (the decoder shows U+FFFD until then).
+complete. Fast tokenizers use the Rust `DecodeStream` (one call a token); others decode a short
+window twice, as vLLM does.
 """
 
 from __future__ import annotations
@@ -14,11 +15,22 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix_offset = 0  # decoding restarts here, a few tokens back, to keep spacing right
+        self.vocab = len(tokenizer)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: Any = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.prefix_offset = 0  # the window restarts here, a few tokens back, to keep spacing
         self.read_offset = 0  # text up to here has been emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if token_id >= self.vocab:  # a model vocabulary larger than its tokenizer's: no text
+            return ""
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id) or ""
         decode = self.tokenizer.decode
         prefix = decode(
             self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip
@@ -30,4 +42,5 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        ids = [i for i in self.ids if i < self.vocab]
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)

@@ -117,6 +117,7 @@ class ModelRunner:
         sampling = [i for i, r in enumerate(batch.reqs) if batch.kind(r) != "chunk"]
         if not sampling:
             return None, []
-        last = [layout.qo_indptr[i + 1] - 1 for i in sampling]
+        qo = layout.qo_indptr
+        last = [qo[i + 1] - 1 for i in sampling]
         logits = self.model.logits(hidden[torch.tensor(last, device=self.device)]).float()
         return logits, [batch.reqs[i] for i in sampling]

@@ -46,18 +46,22 @@ class KVManager:
         self.outstanding += need
         return handle, row
 
-    def map_upto(self, row: int, length: int) -> None:
-        """Make positions [0, length) of `row` have slots, drawing on the row's promise."""
-        have = self.mapped_len[row]
-        if length <= have:
-            return
-        n = pages_for(length - have, self.page_size)
-        pages = self._alloc(n)
-        self.table.map_pages(row, have, pages)
-        self.mapped_len[row] = have + n * self.page_size
-        self._promised[row] -= n
-        self.outstanding -= n
-        assert self._promised[row] >= 0, "a request used more pages than it reserved"
+    def map_upto(self, targets: list[tuple[int, int]]) -> None:
+        """For each (row, length): make positions [0, length) of the row have slots, drawing on
+        the row's promise. All of a step's rows are allocated and mapped together."""
+        spans: list[tuple[int, int, int]] = []
+        for row, length in targets:
+            have = self.mapped_len[row]
+            if length > have:
+                n = pages_for(length - have, self.page_size)
+                spans.append((row, have, n))
+                self.mapped_len[row] = have + n * self.page_size
+                self._promised[row] -= n
+                assert self._promised[row] >= 0, "a request used more pages than it reserved"
+        total = sum(n for _, _, n in spans)
+        if total:
+            self.table.map_spans(spans, self._alloc(total))
+            self.outstanding -= total
 
     def _alloc(self, n: int) -> list[int]:
         short = n - self.allocator.num_free

@@ -24,12 +24,23 @@ class PageTable:
 
     def map_pages(self, row: int, start: int, pages: list[int]) -> None:
         """Give positions [start, start + len(pages) * page_size) the slots of `pages`."""
-        ps = self.page_size
+        self.map_spans([(row, start, len(pages))], pages)
+
+    def map_spans(self, spans: list[tuple[int, int, int]], pages: list[int]) -> None:
+        """For each (row, start, n): positions [start, start + n * page_size) of that row get
+        the next n of `pages`. One indexed write for the whole step, not one per request."""
         if not pages:
             return
-        base = torch.tensor(pages, dtype=torch.int64).repeat_interleave(ps) * ps
-        offs = torch.arange(ps, dtype=torch.int64).repeat(len(pages))
-        self.slots[row, start : start + len(pages) * ps] = base + offs
+        ps = self.page_size
+        rows: list[int] = []
+        positions: list[int] = []
+        for row, start, n in spans:
+            rows += [row] * (n * ps)
+            positions += range(start, start + n * ps)
+        slots = torch.tensor(pages, dtype=torch.int64)
+        if ps > 1:
+            slots = slots.repeat_interleave(ps) * ps + torch.arange(ps).repeat(len(pages))
+        self.slots[torch.tensor(rows), torch.tensor(positions)] = slots
 
     def pages_of(self, row: int, start: int, end: int) -> list[int]:
         """The pages behind positions [start, end); both page-aligned."""

@@ -65,8 +65,7 @@ class Scheduler:
         for req in decodes:
             req.device_len = req.cached_len + 1
         reqs = decodes + prompt
-        for req in reqs:
-            self.kv.map_upto(req.table_idx, req.device_len)
+        self.kv.map_upto([(r.table_idx, r.device_len) for r in reqs])
         return Scheduled(Batch(reqs, frozenset(r.uid for r in decodes)), adder.admitted)
 
     def finish_step(self, batch: Batch) -> None:

@@ -1,0 +1,29 @@
+"""Streaming text adds up to the whole decoded output, multi-byte characters included."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+
+TEXT = "Héllo, wörld — 日本語 ok. Ünïcödé ✓ and emoji 🚀🚀 end"
+
+
+def test_stream_concatenates_to_full_decode(smollm2_dir) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tok.encode(TEXT)
+    for use_stream in (True, False):
+        d = IncrementalDetokenizer(tok)
+        if not use_stream:
+            d._stream = None  # the window path, as for slow tokenizers
+        pieces = [d.push(i) for i in ids]
+        assert "".join(pieces) == tok.decode(ids) == d.text()
+        assert all("\ufffd" not in p for p in pieces)
+
+
+def test_ids_beyond_the_tokenizer_vocabulary_add_no_text(smollm2_dir) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    d = IncrementalDetokenizer(tok)
+    ids = tok.encode("ok then")
+    pieces = [d.push(ids[0]), d.push(len(tok) + 5), d.push(ids[1])]
+    assert "".join(pieces) == tok.decode(ids[:2]) == d.text()
