@@ -15,10 +15,14 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = []
-        self.vocab = len(tokenizer)
+        # a wrapper without len() (one that folds ids, say) is decoded through its own decode()
+        try:
+            self.vocab: int | None = len(tokenizer)
+        except TypeError:
+            self.vocab = None
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream: Any = None
-        if self._backend is not None:
+        if self._backend is not None and self.vocab is not None:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
@@ -27,7 +31,9 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        if token_id >= self.vocab:  # a model vocabulary larger than its tokenizer's: no text
+        if (
+            self.vocab is not None and token_id >= self.vocab
+        ):  # a model vocabulary larger than its tokenizer's: no text
             return ""
         if self._stream is not None:
             return self._stream.step(self._backend, token_id) or ""
@@ -42,5 +48,5 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def text(self) -> str:
-        ids = [i for i in self.ids if i < self.vocab]
+        ids = [i for i in self.ids if self.vocab is None or i < self.vocab]
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)

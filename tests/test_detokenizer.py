@@ -27,3 +27,23 @@ def test_ids_beyond_the_tokenizer_vocabulary_add_no_text(smollm2_dir) -> None:
     ids = tok.encode("ok then")
     pieces = [d.push(ids[0]), d.push(len(tok) + 5), d.push(ids[1])]
     assert "".join(pieces) == tok.decode(ids[:2]) == d.text()
+
+
+class _Wrapper:
+    """A tokenizer wrapper with no len(), delegating everything else (as benchmarks use)."""
+
+    def __init__(self, base) -> None:
+        self.base = base
+
+    def decode(self, ids, **kw) -> str:
+        return self.base.decode(ids, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
+
+
+def test_a_wrapper_without_len_uses_its_own_decode(smollm2_dir) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    d = IncrementalDetokenizer(_Wrapper(tok))
+    ids = tok.encode(TEXT)
+    assert "".join(d.push(i) for i in ids) == tok.decode(ids) == d.text()
