@@ -229,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default="smollm2", help="'smollm2' or a local Hugging Face directory")
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     add("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    add(
+        "--threads",
+        type=_positive,
+        default=None,
+        help="torch CPU threads (default: torch's choice); 1 avoids stalls on a busy machine",
+    )
     add("--max-extend-tokens", type=_positive, default=256, help="prompt tokens per step")
     add("--policy", default="prefill_first", choices=POLICY_NAMES)
     add("--page-size", type=_positive, default=1)
@@ -268,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine import LLM
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:  # fail before a long model load, not after it
         _check_port(args.host, args.port)
     except OSError as exc:

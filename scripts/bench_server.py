@@ -155,7 +155,9 @@ class Soak:
     max_seq: int
     live: set[int] = field(default_factory=set)
     ended: list[int] = field(default_factory=list)
+    ended_set: set[int] = field(default_factory=set)
     unanswered: int = 0
+    backoff: bool = False  # the server said `capacity`: wait a moment before the next submit
     counts: Counter[str] = field(default_factory=Counter)
 
     def submit(self) -> dict[str, Any]:
@@ -181,15 +183,19 @@ class Soak:
         kind = m["type"]
         if kind == "accepted":
             self.unanswered -= 1
-            self.live.add(m["uid"])
+            if m["uid"] not in self.ended_set:  # its events may come before the reply
+                self.live.add(m["uid"])
             self.counts["accepted"] += 1
         elif kind == "error":
             if m["id"] == "s":
                 self.unanswered -= 1
             self.counts[f"error {m['code']}"] += 1
+            if m["code"] == "capacity":
+                self.backoff = True
         elif kind == "request" and m["event"] in ("finished", "aborted", "rejected"):
             self.live.discard(m["uid"])
             self.ended.append(m["uid"])
+            self.ended_set.add(m["uid"])
             self.counts[m["event"]] += 1
         elif kind == "token":
             self.counts["tokens"] += 1
@@ -217,6 +223,9 @@ async def soak_client(url: str, requests: int, seed: int, window: int) -> tuple[
         for _ in range(requests):
             while len(s.live) + s.unanswered >= window:
                 await asyncio.sleep(0.005)
+            if s.backoff:
+                s.backoff = False
+                await asyncio.sleep(0.1)
             s.unanswered += 1
             await ws.send(json.dumps(s.submit()))
             if s.rng.random() < 0.05:
@@ -224,9 +233,11 @@ async def soak_client(url: str, requests: int, seed: int, window: int) -> tuple[
                 policy = s.rng.choice(["prefill_first", "mixed"])
                 await ws.send(json.dumps({"type": "set_config", "max_extend_tokens": budget,
                                           "policy": policy}))  # fmt: skip
-            if s.rng.random() < 0.12 and (s.live or s.ended):
-                pool = sorted(s.live) if s.live and s.rng.random() < 0.8 else s.ended
-                await ws.send(json.dumps({"type": "abort", "uid": s.rng.choice(pool)}))
+            if s.rng.random() < 0.12:
+                # Mostly requests in flight; sometimes one that has ended (`not_found`).
+                pool = sorted(s.live) if s.rng.random() < 0.8 else s.ended
+                if pool:
+                    await ws.send(json.dumps({"type": "abort", "uid": s.rng.choice(pool)}))
         while s.live or s.unanswered:
             await asyncio.sleep(0.05)
         await ws.send(json.dumps({"type": "stats", "id": "final"}))
@@ -238,16 +249,17 @@ def soak(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "engine.server", "--model", model_path(args.model, Path(tmp)),
                "--port", "0", "--max-running-req", "16", "--max-waiting", str(args.max_waiting),
-               "--max-seq-len", "1024"]  # fmt: skip
+               "--max-seq-len", "1024", "--threads", str(args.threads)]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        url = line.split(" at ", 1)[1].strip()
-        start = time.perf_counter()
-        s, stats = asyncio.run(soak_client(url, args.requests, args.seed, args.window))
-        wall = time.perf_counter() - start
-        proc.terminate()
-        code = proc.wait(timeout=60)
+        try:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().split(" at ", 1)[1].strip()
+            start = time.perf_counter()
+            s, stats = asyncio.run(soak_client(url, args.requests, args.seed, args.window))
+            wall = time.perf_counter() - start
+        finally:
+            proc.terminate()
+            code = proc.wait(timeout=60)
     c = s.counts
     rejected = c["error capacity"] + c["error too_large"] + c["error invalid_request"]
     rows = [
@@ -295,9 +307,10 @@ def main() -> int:
     k = sub.add_parser("soak", help="random traffic over the socket, then an integrity check")
     k.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or a model directory")
     k.add_argument("--requests", type=int, default=2000)
-    k.add_argument("--window", type=int, default=48, help="requests in flight at most")
+    k.add_argument("--window", type=int, default=40, help="requests in flight at most")
     k.add_argument("--max-waiting", type=int, default=32, help="the server's --max-waiting")
     k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--threads", type=int, default=1, help="the server's --threads")
     r = sub.add_parser("read", help=argparse.SUPPRESS)
     r.add_argument("url")
     args = p.parse_args()
