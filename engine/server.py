@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -41,6 +42,11 @@ from instrumentation.trace import TraceWriter
 
 log = logging.getLogger("stepscope.server")
 
+# Events are handed to the server thread at most this often (and whenever the engine idles):
+# each hand-over wakes that thread, which then holds the GIL the engine needs, so a fast engine
+# (milliseconds per step) should pay for it once per few steps, not every step.
+FLUSH_INTERVAL_S = 0.01
+
 
 class EngineLoop:
     """Steps the engine while there is work; hands each step's events to the publisher."""
@@ -56,6 +62,7 @@ class EngineLoop:
             queue.SimpleQueue()
         )
         self._stopping = False
+        self._last_flush = 0.0
         # The whole event hook: no serializing or I/O on the engine thread (see `attach`).
         self.on_event: Callable[[Any], None] = self._pending.append
 
@@ -82,9 +89,10 @@ class EngineLoop:
                 self._run_calls()
                 record = self.run_once()
                 if record is None:
+                    self.flush()
                     self.wake.wait(timeout=0.05 if self.llm.has_work() else 0.5)
         finally:
-            self._flush()
+            self.flush()
             self._fail_calls()
 
     def run_once(self) -> Any:
@@ -92,20 +100,25 @@ class EngineLoop:
             record = self.llm.step()
         except Exception:
             self.errors += 1
+            self.flush()
             raise
-        finally:
-            self._flush()
+        if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
+            self.flush()
         if record is not None:
             self.steps += 1
         return record
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Hand the events collected so far to the publisher."""
+        self._last_flush = time.monotonic()
         if self._pending:
             batch = self._pending.copy()
             self._pending.clear()  # the same list: `on_event` is its bound `append`
             self.publish(batch)
 
     def _run_calls(self) -> None:
+        if not self._calls.empty():
+            self.flush()  # a call's reply must not overtake the events before it
         while True:
             try:
                 fn, future = self._calls.get_nowait()

@@ -115,6 +115,7 @@ def overhead(args: argparse.Namespace) -> None:
                 rnd.step_seconds += time.perf_counter() - t
                 rnd.steps += 1
         rnd.wall_seconds = time.perf_counter() - start
+        server.loop.flush()  # as the server does when the engine goes idle
         return rnd
 
     run("bare", 0)  # warm-up

@@ -161,7 +161,7 @@ class Feeder:
             self.submit()
 
     def submit(self) -> None:
-        prompt = [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randrange(4, 16))]
+        prompt = [self.rng.randrange(3, VOCAB) for _ in range(8)]
         self.c.send({"type": "submit", "input_ids": prompt, "max_tokens": 64, "ignore_eos": True})
 
     def pump(self) -> Msg:
@@ -193,25 +193,28 @@ class Feeder:
 
 
 def test_a_client_that_never_reads_does_not_slow_the_engine(tiny_llama_dir: Path) -> None:
-    with running_server(tiny_llama_dir, "--max-running-req", "16",
+    # A naive cache keeps every window's work alike (a radix cache would fill up and evict).
+    with running_server(tiny_llama_dir, "--max-running-req", "16", "--cache-type", "naive",
                         "--client-drop-limit", "100000000") as server:  # fmt: skip
         feeder = Feeder(server.client(), width=16)
         feeder.window(1.0)  # warm up
-        without_1 = feeder.window(3.0)
-        stuck = stuck_client(server.port)
-        while (s := feeder.stats())["dropped"] == 0:  # its buffers are full: it is losing events
-            feeder.window(0.2)
-        assert s["clients"] == 2
-        with_stuck = feeder.window(3.0)
-        s2 = feeder.stats()
-        assert s2["dropped"] > s["dropped"] and s2["clients"] == 2  # stuck all along
-        stuck.close()
-        without_2 = feeder.window(3.0)
-        baseline = (without_1 + without_2) / 2
-        print(
-            f"steps per 3 s: {without_1}, then {with_stuck} with a stuck client, then {without_2}"
-        )
-        assert with_stuck >= 0.9 * baseline, (without_1, with_stuck, without_2)
+        without, stuck_windows = [feeder.window(2.0)], []
+        dropped = 0
+        for _ in range(2):  # without, with, without, with, without: drift cancels out
+            stuck = stuck_client(server.port)
+            while (s := feeder.stats())["dropped"] == dropped:  # until its buffers are full
+                feeder.window(0.2)
+            stuck_windows.append(feeder.window(2.0))
+            s = feeder.stats()
+            assert s["clients"] == 2 and s["dropped"] > dropped  # stuck, and losing events
+            stuck.close()
+            while (s := feeder.stats())["clients"] != 1:
+                feeder.window(0.1)
+            dropped = s["dropped"]
+            without.append(feeder.window(2.0))
+        print(f"steps per 2 s without a stuck client {without}, with one {stuck_windows}")
+        mean_without = sum(without) / len(without)
+        assert sum(stuck_windows) / len(stuck_windows) >= 0.9 * mean_without
         numbers = [s["step"] for s in feeder.steps]
         assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # reader lost none
 
