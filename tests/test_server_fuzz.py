@@ -229,3 +229,32 @@ def test_a_stuck_client_is_disconnected_past_the_drop_limit(tiny_llama_dir: Path
         assert is_reset(stuck, timeout=30)
         s = feeder.stats()
         assert s["clients"] == 1 and s["integrity"] == "ok" and s["engine_errors"] == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine/sampling.py divides logits by the temperature: below ~1e-38 that overflows to "
+    "inf, softmax gives NaN and torch.multinomial raises, which stops the server",
+)
+def test_extreme_but_valid_sampling_values_leave_the_engine_running(tiny_llama_dir: Path) -> None:
+    server = ServerProcess(tiny_llama_dir)
+    try:
+        c = server.client()
+        extremes: list[dict[str, Any]] = [
+            {"temperature": 1e308}, {"temperature": 1e-300}, {"temperature": 5e-324},
+            {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 1.0, "top_k": VOCAB},
+            {"temperature": 1.0, "top_k": 1}, {"temperature": 0.7, "seed": 2**63 - 1},
+        ]  # fmt: skip
+        for k, fields in enumerate(extremes):
+            uid = submit_ok(c, f"x{k}", prompt="Hello", max_tokens=3, **fields)
+            c.until(lambda m, u=uid: m.get("event") == "finished" and m["uid"] == u, timeout=60)
+        stats = c.stats()
+        assert stats["engine_errors"] == 0 and stats["integrity"] == "ok"
+    finally:
+        server.stop()
+
+
+def submit_ok(c: ProtoClient, cid: str, **fields: Any) -> int:
+    reply = c.reply({"type": "submit", "id": cid, **fields})
+    assert reply["type"] == "accepted", reply
+    return reply["uid"]
