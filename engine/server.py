@@ -27,6 +27,7 @@ from typing import Any
 
 from engine.config import CACHE_TYPES, POLICY_NAMES
 from engine.errors import EngineError
+from engine.sampling import SamplingParams
 from instrumentation import messages
 from instrumentation.commands import (
     Abort,
@@ -174,8 +175,6 @@ class CommandHandler:
             self.publisher.reply(client, messages.error(cmd.id, "invalid_request", reason))
 
     async def _submit(self, client: Client, cmd: Submit) -> None:
-        from engine.sampling import SamplingParams
-
         if self.llm.num_waiting() >= self.max_waiting:
             reason = f"{self.max_waiting} requests are already waiting; try later"
             self.publisher.reply(client, messages.error(cmd.id, "capacity", reason))

@@ -132,3 +132,20 @@ def test_a_client_recorder_continues_from_hello() -> None:
     done = client.get(1)
     assert done is not None and done.state == "finished" and done.text == "abcd"
     assert client.history()["requests"][1]["output_len"] == 2
+
+
+def test_instrumentation_imports_no_torch() -> None:
+    """The dashboard reuses these modules in a process that must not load torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "import instrumentation.commands, instrumentation.messages, instrumentation.publisher\n"
+        "import instrumentation.recorder, instrumentation.trace\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
