@@ -60,7 +60,10 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i].float() / p.temperature
+        # float64 and the max subtracted first: a tiny temperature (1e-300 is valid) must not
+        # overflow into inf - inf = NaN; it tends to greedy, as it should
+        row = logits[i].double()
+        row = (row - row.max()) / p.temperature
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

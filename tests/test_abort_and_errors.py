@@ -127,3 +127,16 @@ def test_eos_stops_unless_ignored(tiny_llama_dir) -> None:
     assert out["finish_reason"] == "eos" and out["token_ids"] == ref[: ref.index(eos) + 1]
     out = llm.generate([[21, 22, 23]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     assert out["finish_reason"] == "length" and out["token_ids"] == ref
+
+
+def test_extreme_temperatures_sample_without_nan() -> None:
+    import torch
+
+    from engine.sampling import sample
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0 - 1e-3]])
+    for t in (1e-300, 5e-324, 1e-6):
+        assert sample(logits, [SamplingParams(temperature=t)], [None]) == [1]
+    g = torch.Generator().manual_seed(0)
+    hot = [sample(logits, [SamplingParams(temperature=1e308)], [g])[0] for _ in range(200)]
+    assert set(hot) == {0, 1, 2, 3}  # an enormous temperature is uniform
