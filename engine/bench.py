@@ -2,6 +2,8 @@
 
     python -m engine.bench                      # throughput: 16 mixed-length prompts, engine vs HF generate
     python -m engine.bench --workload stall     # chats decoding when a long prompt arrives, both policies
+    python -m engine.bench --workload step --model assets/tiny-llama --load-format dummy
+                                                # per-step engine overhead: decode steps at --batch
 
 Numbers and the commands that made them are recorded in docs/benchmarks.md.
 """
@@ -221,11 +223,49 @@ def stall(args: argparse.Namespace) -> None:
         )
 
 
+# -- per-step overhead -----------------------------------------------------------------------
+def step_overhead(args: argparse.Namespace) -> None:
+    """Decode steps at a fixed batch; on a tiny model the step time is mostly the engine's own
+    CPU work (scheduling, pages, inputs, sampling, detokenizing, records)."""
+    import cProfile
+    import pstats
+
+    llm = LLM(
+        args.model,
+        device=args.device,
+        load_format=args.load_format,
+        cache_type="naive",
+        max_running_req=args.batch,
+        progress=False,
+    )
+    for i in range(args.batch):
+        llm.submit([5 + i, 6, 7, 8] * 8, SamplingParams(max_tokens=400, ignore_eos=True))
+    while llm.scheduler.waiting:
+        llm.step()
+    for _ in range(10):
+        llm.step()
+    n = 100
+    t = time.perf_counter()
+    for _ in range(n):
+        llm.step()
+    ms = (time.perf_counter() - t) / n * 1e3
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        llm.step()
+    prof.disable()
+    calls = pstats.Stats(prof).total_calls / 50  # type: ignore[attr-defined]
+    print(
+        f"\ndecode steps at batch {args.batch}; model {llm.info.model} ({args.load_format}), {llm.info.device}\n"
+    )
+    print(_table(["ms / step (mean of 100)", "Python calls / step"], [[ms, f"{calls:,.0f}"]]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--workload", choices=["throughput", "stall"], default="throughput")
+    ap.add_argument("--workload", choices=["throughput", "stall", "step"], default="throughput")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--budget", type=int, default=512, help="max_extend_tokens (throughput)")
@@ -235,8 +275,10 @@ def main() -> None:
     ap.add_argument("--num-chats", type=int, default=8)
     ap.add_argument("--chat-tokens", type=int, default=96)
     ap.add_argument("--long-tokens", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=64, help="(step)")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="(step)")
     args = ap.parse_args()
-    (stall if args.workload == "stall" else throughput)(args)
+    {"throughput": throughput, "stall": stall, "step": step_overhead}[args.workload](args)
 
 
 if __name__ == "__main__":
