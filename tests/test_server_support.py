@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -111,8 +112,19 @@ class ServerProcess:
             # descheduled peer turn 4 ms steps into 200 ms ones, drowning what tests compare.
             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
+        # drain stderr from the start and stdout once ready: a server blocked writing to a
+        # full pipe would look exactly like a hung engine
+        self._err: list[str] = []
+        self._err_reader = self._drain(self.proc.stderr, self._err)
         self.url = self._wait_ready()
         self.port = int(self.url.rsplit(":", 1)[1])
+        self._drain(self.proc.stdout, [])
+
+    @staticmethod
+    def _drain(stream: Any, sink: list[str]) -> threading.Thread:
+        t = threading.Thread(target=lambda: sink.extend(stream), daemon=True)
+        t.start()
+        return t
 
     def _wait_ready(self, timeout: float = 300.0) -> str:
         assert self.proc.stdout is not None
@@ -127,7 +139,8 @@ class ServerProcess:
                 if not line and self.proc.poll() is not None:
                     break
         self.proc.kill()
-        raise RuntimeError(f"server did not start: {self.proc.communicate()[1][-3000:]}")
+        self.proc.wait()
+        raise RuntimeError(f"server did not start: {''.join(self._err)[-3000:]}")
 
     def client(self, **kwargs: Any) -> ProtoClient:
         return ProtoClient(self.url, **kwargs)
@@ -137,11 +150,12 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            _, err = self.proc.communicate(timeout=60)
+            self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return self.proc.returncode, err
+            self.proc.wait()
+        self._err_reader.join(timeout=10)  # what the process wrote last, up to EOF
+        return self.proc.returncode, "".join(self._err)
 
 
 @contextmanager
