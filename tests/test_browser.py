@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -70,6 +71,8 @@ def engine_url(tiny_llama_dir: Path) -> Iterator[str]:
                 url = line[line.index("ws://") :].strip()
                 break
         assert url, "the engine exited before it was ready"
+        # keep reading, so the engine never blocks on a full pipe
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
         yield url
     finally:
         _stop(proc)
