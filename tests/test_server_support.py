@@ -67,6 +67,7 @@ class ProtoClient:
             url, max_size=None, compression=None, legacy=True, **kwargs
         )
         self.seen: list[Msg] = []
+        self._unclaimed: list[Msg] = []  # received while waiting for something else
         self.hello = self.recv()
         assert self.hello["type"] == "hello"
 
@@ -79,12 +80,20 @@ class ProtoClient:
         return msg
 
     def until(self, pred: Callable[[Msg], bool], timeout: float = 120.0) -> Msg:
-        """Receive until a message satisfies `pred` (generous timeout: never a speed assertion)."""
+        """The first message not yet returned that satisfies `pred`: one that arrived while an
+        earlier call waited for something else (a fast engine can finish a request before the
+        reply to the next submit), or the next to arrive. Generous timeout: never a speed
+        assertion."""
+        for i, msg in enumerate(self._unclaimed):
+            if pred(msg):
+                del self._unclaimed[i]
+                return msg
         deadline = time.monotonic() + timeout
         while True:
             msg = self.recv(timeout=max(0.1, deadline - time.monotonic()))
             if pred(msg):
                 return msg
+            self._unclaimed.append(msg)
 
     def reply(self, command: Msg) -> Msg:
         """Send a command with an id and return the reply that echoes it."""
