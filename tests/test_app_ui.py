@@ -244,6 +244,17 @@ def test_clear_history_empties_the_charts(app: AppTest, peer: AppPeer) -> None:
     app.button(key="preset-chapter").click().run()
     assert peer.wait_for(lambda: all(r.state == "finished" for r in peer.sim.requests.values()))
     assert settle(app, lambda: "No engine steps" not in app.get("plotly_chart")[0].proto.spec)
+    # the peer is done, but its last messages may still be on their way to the page: clearing
+    # before they land would let them draw again; wait until the chart stops changing
+    last: list[str] = [""]
+
+    def unchanged() -> bool:
+        time.sleep(0.3)
+        spec = app.get("plotly_chart")[0].proto.spec
+        same, last[0] = spec == last[0], spec
+        return same
+
+    assert settle(app, unchanged)
     [clear] = [b for b in app.button if b.label == "Clear history"]
     clear.click().run()
     assert "No engine steps recorded yet" in app.get("plotly_chart")[0].proto.spec
