@@ -190,7 +190,6 @@ class LLM:
         self._uids = itertools.count()
         self._live_uids: set[int] = set()  # submitted and not yet ended
         self._aborting: set[int] = set()
-        self._states: dict[int, RequestState] = {}
         self._collect: dict[int, dict[str, Any] | None] = {}  # uids whose outputs generate() wants
         self._step_no = 0
         self._step_hooks: list[Hook] = []
@@ -371,7 +370,6 @@ class LLM:
                 state = RequestState(
                     uid, ids, params, t, IncrementalDetokenizer(self.tokenizer), generator=gen
                 )
-                self._states[uid] = state
                 self.scheduler.add(state)
                 events.append(
                     RequestEvent(
@@ -467,7 +465,6 @@ class LLM:
             self._aborting.discard(uid)
             if uid in self._collect:
                 self._collect[uid] = self._output(state)
-        self._states.pop(uid, None)
 
     def _output(self, st: RequestState) -> dict[str, Any]:
         return {
