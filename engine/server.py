@@ -27,7 +27,6 @@ from typing import Any
 
 from engine.config import CACHE_TYPES, POLICY_NAMES
 from engine.errors import EngineError
-from engine.sampling import SamplingParams
 from instrumentation import messages
 from instrumentation.commands import (
     Abort,
@@ -179,16 +178,8 @@ class CommandHandler:
             reason = f"{self.max_waiting} requests are already waiting; try later"
             self.publisher.reply(client, messages.error(cmd.id, "capacity", reason))
             return
-        params = SamplingParams(
-            max_tokens=cmd.max_tokens,
-            temperature=cmd.temperature,
-            top_k=cmd.top_k,
-            top_p=cmd.top_p,
-            ignore_eos=cmd.ignore_eos,
-            seed=cmd.seed,
-        )
         # Off the server thread: tokenizing a long prompt must not hold up other clients.
-        uid = await asyncio.to_thread(self.llm.submit, cmd.prompt, params, chat=cmd.chat)
+        uid = await asyncio.to_thread(self.llm.submit, cmd.prompt, cmd.params, chat=cmd.chat)
         self.loop.wake.set()
         self.publisher.reply(client, messages.accepted(cmd.id, uid))
 

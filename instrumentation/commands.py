@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import InvalidRequest
+from engine.sampling import SamplingParams  # torch-free: it imports torch only to sample
 from instrumentation.messages import ErrorCode
 
 # Bounds that keep a hostile integer from reaching the engine's tensors (int64 seeds, token ids).
@@ -33,13 +35,8 @@ class CommandError(Exception):
 class Submit:
     id: str | None
     prompt: str | list[int]
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    ignore_eos: bool = False
+    params: SamplingParams = SamplingParams()
     chat: bool = False
-    seed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,30 +118,23 @@ def _submit(obj: dict[str, Any], command_id: str | None, vocab_size: int) -> Sub
     chat = _bool(obj, "chat", False)
     if chat and has_ids:
         raise CommandError("invalid_request", "chat applies to a text prompt, not input_ids")
-    top_k = _int(obj, "top_k", lo=-1, hi=vocab_size, default=-1)
-    if top_k == 0:
-        raise CommandError("invalid_request", "top_k must be -1 or an integer >= 1")
-    top_p = _number(obj, "top_p", default=1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise CommandError("invalid_request", "top_p must be in (0, 1]")
-    temperature = _number(obj, "temperature", default=0.0)
-    if temperature < 0.0:
-        raise CommandError("invalid_request", "temperature must be >= 0")
     seed = None
     if obj.get("seed") is not None:  # an explicit null means no seed, as does leaving it out
         seed = _int(obj, "seed", lo=0, hi=MAX_SEED)
-    return Submit(
-        id=command_id,
-        prompt=prompt,
-        # No upper bound here: a max_tokens that can never fit is the engine's `too_large`.
-        max_tokens=_int(obj, "max_tokens", lo=1, hi=None, default=64),
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        ignore_eos=_bool(obj, "ignore_eos", False),
-        chat=chat,
-        seed=seed,
-    )
+    # JSON types here; the ranges are SamplingParams' own checks, the same as for LLM users
+    try:
+        params = SamplingParams(
+            # No upper bound here: a max_tokens that can never fit is the engine's `too_large`.
+            max_tokens=_int(obj, "max_tokens", lo=None, hi=None, default=64),
+            temperature=_number(obj, "temperature", default=0.0),
+            top_k=_int(obj, "top_k", lo=None, hi=vocab_size, default=-1),
+            top_p=_number(obj, "top_p", default=1.0),
+            ignore_eos=_bool(obj, "ignore_eos", False),
+            seed=seed,
+        )
+    except InvalidRequest as e:
+        raise CommandError("invalid_request", str(e)) from None
+    return Submit(id=command_id, prompt=prompt, params=params, chat=chat)
 
 
 def _set_config(
@@ -180,7 +170,9 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _int(obj: dict[str, Any], name: str, *, lo: int, hi: int | None, default: Any = ...) -> Any:
+def _int(
+    obj: dict[str, Any], name: str, *, lo: int | None, hi: int | None, default: Any = ...
+) -> Any:
     if name not in obj:
         if default is ...:
             raise CommandError("invalid_request", f"{name} is required")
@@ -189,8 +181,8 @@ def _int(obj: dict[str, Any], name: str, *, lo: int, hi: int | None, default: An
     # type() rather than isinstance(): bool is a subclass of int but `true` is not a count.
     if type(value) is not int:
         raise CommandError("invalid_request", f"{name} must be an integer")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
         raise CommandError("invalid_request", f"{name} must be an integer {bound}")
     return value
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from engine.sampling import SamplingParams
 from instrumentation.commands import (
     Abort,
     CommandError,
@@ -33,12 +34,15 @@ def error_of(obj: object) -> CommandError:
 def test_valid_commands_parse_with_defaults() -> None:
     cmd = parse({"type": "submit", "id": "a1", "prompt": "hi"})
     assert cmd == Submit(id="a1", prompt="hi")
-    assert isinstance(cmd, Submit) and cmd.max_tokens == 64 and cmd.temperature == 0.0
+    assert isinstance(cmd, Submit) and cmd.params.max_tokens == 64 and cmd.params.temperature == 0.0
     full = parse(
         {"type": "submit", "input_ids": [1, 99], "max_tokens": 3, "temperature": 1,
          "top_k": 5, "top_p": 0.5, "ignore_eos": True, "seed": 7, "extra": "ignored"}
     )  # fmt: skip
-    assert full == Submit(None, [1, 99], 3, 1.0, 5, 0.5, True, False, 7)
+    params = SamplingParams(
+        max_tokens=3, temperature=1.0, top_k=5, top_p=0.5, ignore_eos=True, seed=7
+    )
+    assert full == Submit(None, [1, 99], params, False)
     assert parse({"type": "abort", "uid": 3}) == Abort(None, 3)
     assert parse({"type": "set_config", "id": "c", "policy": "mixed"}) == SetConfig(
         "c", None, "mixed"
