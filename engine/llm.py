@@ -253,12 +253,17 @@ class LLM:
 
     def _emit(self, events: list[EngineEvent]) -> None:
         for ev in events:
-            hooks = self._event_hooks + (self._step_hooks if isinstance(ev, StepRecord) else [])
-            for fn in hooks:
-                try:
-                    fn(ev)
-                except Exception:  # an observer must never take the engine down
-                    log.exception("step hook %r failed", fn)
+            self._call(self._event_hooks, ev)
+            if isinstance(ev, StepRecord):
+                self._call(self._step_hooks, ev)
+
+    @staticmethod
+    def _call(hooks: list[Hook], ev: EngineEvent) -> None:
+        for fn in hooks:
+            try:
+                fn(ev)
+            except Exception:  # an observer must never take the engine down
+                log.exception("hook %r failed", fn)
 
     # -- commands (any thread) -----------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:

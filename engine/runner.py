@@ -67,16 +67,18 @@ class ModelRunner:
     def layout(self, batch: Batch) -> tuple[BatchLayout, list[int], list[int]]:
         ids: list[int] = []
         positions: list[int] = []
-        out_loc: list[torch.Tensor] = []
+        rows: list[int] = []
         for req in batch.reqs:
             ids += token_ids(req.state, req.cached_len, req.device_len)
             positions += range(req.cached_len, req.device_len)
-            out_loc.append(self.table.slots[req.table_idx, req.cached_len : req.device_len])
+            rows += [req.table_idx] * req.extend_len
+        # one gather for the whole step rather than a slice per request
+        out_loc = self.table.slots[torch.tensor(rows), torch.tensor(positions)]
         layout = BatchLayout(
             rows=[r.table_idx for r in batch.reqs],
             starts=[r.cached_len for r in batch.reqs],
             ends=[r.device_len for r in batch.reqs],
-            out_loc=torch.cat(out_loc).to(self.device, non_blocking=True),
+            out_loc=out_loc.to(self.device, non_blocking=True),
             table=self.table,
         )
         return layout, ids, positions
