@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,34 +27,38 @@ TINY_COMMON = dict(
 )
 
 
-def make_tiny(kind: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+# per architecture: the HF classes' names, and the tiny defaults that differ between them
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {"head_dim": 16, "rope_theta": 10000.0}),
+    "qwen2": ("Qwen2", {"rope_theta": 1000000.0}),  # bias on q, k and v
+    "qwen3": ("Qwen3", {"head_dim": 32, "rope_theta": 1000000.0}),
+}
 
+
+def make_tiny(
+    kind: str,
+    path: Path,
+    tokenizer_dir: Path,
+    seed: int = 0,
+    proj_std: float = 0.15,
+    **shape: Any,
+) -> Path:
+    """A random HF model directory with the bundled tokenizer. `shape` overrides config fields
+    (the GPU tests use FlashInfer-sized heads); `proj_std` is the spread of the projections."""
+    import transformers
+
+    if kind not in ARCHS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(ARCHS)}")
+    prefix, defaults = ARCHS[kind]
+    cfg = getattr(transformers, f"{prefix}Config")(**{**TINY_COMMON, **defaults, **shape})
     torch.manual_seed(seed)
-    if kind == "llama":
-        cfg = LlamaConfig(**TINY_COMMON, head_dim=16, rope_theta=10000.0)
-        model = LlamaForCausalLM(cfg)
-    elif kind == "qwen2":  # bias on q, k and v
-        cfg = Qwen2Config(**TINY_COMMON, rope_theta=1000000.0)
-        model = Qwen2ForCausalLM(cfg)
-    elif kind == "qwen3":
-        cfg = Qwen3Config(**TINY_COMMON, head_dim=32, rope_theta=1000000.0)
-        model = Qwen3ForCausalLM(cfg)
-    else:
-        raise ValueError(kind)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             else:
-                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.15)
+                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else proj_std)
     model.save_pretrained(path)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):

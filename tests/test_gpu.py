@@ -9,7 +9,6 @@ comparisons test the kernels, not luck in near-ties. scripts/gpu_check.py runs t
 from __future__ import annotations
 
 import random
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.models import make_tiny
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,10 +54,12 @@ def make_wide_model(
     """A random Hugging Face model directory with FlashInfer-sized heads and the bundled
     tokenizer's 49,152-token vocabulary. Embeddings spread widely (clear greedy margins); the
     projections keep activations at scale, so bf16 rounding is not amplified layer by layer."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    common: dict[str, Any] = dict(
-        vocab_size=49152,
+    return make_tiny(
+        arch,
+        path,
+        tokenizer_dir,
+        seed=seed,
+        proj_std=0.03,
         hidden_size=num_heads * head_dim,
         intermediate_size=1024,
         num_hidden_layers=num_layers,
@@ -64,27 +67,7 @@ def make_wide_model(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    torch.manual_seed(seed)
-    if arch == "qwen3":
-        model: Any = Qwen3ForCausalLM(Qwen3Config(**common, rope_theta=1e6))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=1e4))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.03)
-    model.save_pretrained(path)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, path / f.name)
-    return path
 
 
 class LogitTap:
