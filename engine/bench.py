@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import EngineError
 from engine.llm import LLM
 from engine.metrics import percentile
 from engine.sampling import SamplingParams
@@ -278,7 +279,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="(step)")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="(step)")
     args = ap.parse_args()
-    {"throughput": throughput, "stall": stall, "step": step_overhead}[args.workload](args)
+    try:
+        {"throughput": throughput, "stall": stall, "step": step_overhead}[args.workload](args)
+    except EngineError as e:  # a bad budget, model path, ...: say so, without a traceback
+        ap.error(str(e))
 
 
 if __name__ == "__main__":
