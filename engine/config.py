@@ -45,24 +45,25 @@ class EngineConfig:
     model: str = "smollm2"
     device: Device = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    page_size: int = 1
+    page_size: int | None = None  # None: 16 on CUDA (fewer, larger allocations), 1 on CPU
     cache_type: str = "radix"
     max_running_req: int = 32
     num_pages: int | None = None  # None: sized from a memory budget (see LLM)
     max_seq_len: int | None = None  # None: the model's context, at most 8192
     attention_backend: str = "auto"  # auto | torch | flashinfer
     cuda_graph: bool = True
+    overlap: bool | None = None  # schedule step N+1 while N runs; None: on for CUDA
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda", "auto"):
             raise InvalidRequest(f"device must be cpu, cuda or auto, got {self.device!r}")
-        for name in ("page_size", "max_running_req"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise InvalidRequest(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("num_pages", "max_seq_len"):
+        if not _is_int(self.max_running_req) or self.max_running_req < 1:
+            raise InvalidRequest(
+                f"max_running_req must be an integer >= 1, got {self.max_running_req!r}"
+            )
+        for name in ("page_size", "num_pages", "max_seq_len"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise InvalidRequest(f"{name} must be an integer >= 1 or None, got {v!r}")
@@ -72,5 +73,9 @@ class EngineConfig:
             )
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise InvalidRequest(f"unknown attention backend {self.attention_backend!r}")
+        for name in ("cuda_graph", "overlap"):
+            v = getattr(self, name)
+            if not isinstance(v, bool) and not (name == "overlap" and v is None):
+                raise InvalidRequest(f"{name} must be a bool, got {v!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise InvalidRequest(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

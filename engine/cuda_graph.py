@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -105,10 +106,16 @@ class DecodeGraphs:
         return batch_size <= self.max_batch
 
     def replay(
-        self, rows: list[int], lengths: list[int], ids: list[int], slots: list[int]
+        self,
+        rows: list[int],
+        lengths: list[int],
+        ids: list[int],
+        slots: list[int],
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Logits [B, vocab] of one decode step: request i adds token ids[i] at position
-        lengths[i] - 1, whose KV goes to slot slots[i]."""
+        lengths[i] - 1, whose KV goes to slot slots[i]. `fill` may then overwrite token ids
+        in the input buffer on the device (ids the host does not know yet)."""
         n = len(rows)
         g = self.sizes[bisect.bisect_left(self.sizes, n)]
         pad = g - n
@@ -122,6 +129,8 @@ class DecodeGraphs:
             dtype=torch.int64,
         )
         self.io[: 3 * g].copy_(host)
+        if fill is not None:
+            fill(self.io)
         self.backend.plan_graph(self.metas[g], self.table, rows, lengths, self.pad_page)
         self.graphs[g].replay()
         return self.logits[g][:n]

@@ -36,9 +36,10 @@ from engine.records import (
     StepRecord,
     TokenEvent,
 )
-from engine.request import RequestState
-from engine.runner import ModelRunner
+from engine.request import Req, RequestState
+from engine.runner import Launched, ModelRunner
 from engine.sampling import SamplingParams
+from engine.scheduler.batch import Batch
 from engine.scheduler.policy import POLICIES, SchedulePolicy
 from engine.scheduler.scheduler import Scheduler
 
@@ -65,9 +66,22 @@ class EngineInfo:
     cache_type: str
     attention_backend: str
     architecture: str
+    overlap: bool
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    """A launched step whose tokens have not been applied yet."""
+
+    batch: Batch
+    items: tuple[StepItem, ...]
+    admitted: list[Req]
+    out: Launched
+    live: LiveConfig
+    t0: float
 
 
 class LLM:
@@ -76,7 +90,7 @@ class LLM:
         model: str = "smollm2",
         device: str = "cpu",
         max_extend_tokens: int = 256,
-        page_size: int = 1,
+        page_size: int | None = None,
         cache_type: str = "radix",
         max_running_req: int = 32,
         num_pages: int | None = None,
@@ -85,6 +99,7 @@ class LLM:
         policy: str = "prefill_first",
         attention_backend: str = "auto",
         cuda_graph: bool = True,
+        overlap: bool | None = None,
         load_format: str = "auto",
         seed: int = 0,
         progress: bool = True,
@@ -102,6 +117,7 @@ class LLM:
             max_seq_len=max_seq_len,
             attention_backend=attention_backend,
             cuda_graph=cuda_graph,
+            overlap=overlap,
             load_format=load_format,  # type: ignore[arg-type]
             seed=seed,
         )
@@ -111,8 +127,13 @@ class LLM:
             raise InvalidRequest("device 'cuda' was asked for, but CUDA is not available")
         dev = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device
         self.device = torch.device("cpu" if dev == "auto" else dev)
-        dtype_name = cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        on_cuda = self.device.type == "cuda"
+        dtype_name = cfg.dtype or ("bfloat16" if on_cuda else "float32")
         self.dtype = DTYPES[dtype_name]
+        self.page_size = page_size = cfg.page_size or (16 if on_cuda else 1)
+        # overlap pays off where the device computes while the host schedules; on CPU the
+        # host does both, so each step's tokens are read at once
+        self.overlap = on_cuda if cfg.overlap is None else cfg.overlap
 
         resolved = resolve(cfg.model, progress=progress)
         mcfg, _ = read_config(resolved.path)
@@ -182,6 +203,7 @@ class LLM:
             cache_type=cache_type,
             attention_backend=backend.name,
             architecture=mcfg.architecture,
+            overlap=self.overlap,
         )
 
         self._lock = threading.Lock()
@@ -192,6 +214,7 @@ class LLM:
         self._aborting: set[int] = set()
         self._collect: dict[int, dict[str, Any] | None] = {}  # uids whose outputs generate() wants
         self._step_no = 0
+        self._inflight: _InFlight | None = None  # with overlap: launched, tokens not yet read
         self._step_hooks: list[Hook] = []
         self._event_hooks: list[Hook] = []
 
@@ -215,8 +238,13 @@ class LLM:
             queued = sum(1 for kind, _ in self._inbox if kind == "submit")
         return queued + self.scheduler.num_waiting
 
+    @property
+    def in_flight(self) -> bool:
+        """A step was launched and its tokens are still to be applied (overlap only)."""
+        return self._inflight is not None
+
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_work()
+        return bool(self._inbox) or self.scheduler.has_work() or self._inflight is not None
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until a command arrives (or the timeout passes); True if there is work."""
@@ -238,9 +266,7 @@ class LLM:
         else:
             budget = CPU_KV_BYTES
         tokens = min(budget // per_token, self.config.max_running_req * self.max_seq_len)
-        return max(
-            tokens // self.config.page_size, pages_for(self.max_seq_len, self.config.page_size)
-        )
+        return max(tokens // self.page_size, pages_for(self.max_seq_len, self.page_size))
 
     # -- hooks ---------------------------------------------------------------------------
     def add_step_hook(self, fn: Callable[[StepRecord], None]) -> None:
@@ -302,7 +328,7 @@ class LLM:
                 f"{prompt_len} prompt tokens plus max_tokens={max_tokens} is {total} tokens, "
                 f"beyond max_seq_len={self.max_seq_len}"
             )
-        need = pages_for(total, self.config.page_size)
+        need = pages_for(total, self.page_size)
         if need > self.num_pages:
             raise TooLarge(
                 f"the request needs {need} KV pages; the whole pool has {self.num_pages}"
@@ -385,6 +411,7 @@ class LLM:
                 uid = arg
                 state = self.scheduler.abort(uid)
                 if state is not None:
+                    state.aborted = True  # a step in flight must not give it a token
                     events.append(
                         RequestEvent(uid, "aborted", t, {"output_len": len(state.output_ids)})
                     )
@@ -392,30 +419,54 @@ class LLM:
         return events
 
     def step(self) -> StepRecord | None:
-        """Run one engine step; None when there was nothing to do."""
+        """Run one engine step and return the record of the step that completed in this call,
+        or None. Without overlap that is the step just scheduled. With overlap the step just
+        scheduled is launched and left running, and the one launched by the previous call is
+        completed while it runs; the first call of a burst then returns None with work still
+        in flight (`has_work()`)."""
         pre = self._drain_inbox()
-        self._emit(pre)
+        if not self.overlap:
+            self._emit(pre)
         live = self._live
         t0 = self.now()
         scheduled = self.scheduler.schedule(self._policies[live.policy], live.max_extend_tokens, t0)
-        if scheduled is None:
-            return None
-        batch = scheduled.batch
-        items = tuple(
-            StepItem(r.uid, batch.kind(r), r.cached_len, r.device_len) for r in batch.reqs
-        )
-        tokens = self.runner.run(batch)
-        t1 = self.now()
+        prev, launched = self._inflight, None
+        if scheduled is not None:
+            batch = scheduled.batch
+            items = tuple(
+                StepItem(r.uid, batch.kind(r), r.cached_len, r.device_len) for r in batch.reqs
+            )
+            out = self.runner.launch(batch, prev.out if prev is not None else None)
+            self.scheduler.advance(batch)
+            launched = _InFlight(batch, items, scheduled.admitted, out, live, t0)
+        if not self.overlap:
+            return self._complete(launched) if launched is not None else None
+        self._inflight = launched
+        record = self._complete(prev) if prev is not None else None
+        # this call's queued / aborted events follow the record of the step that was already
+        # running when they were applied
+        self._emit(pre)
+        return record
 
+    def _complete(self, step: _InFlight) -> StepRecord | None:
+        """Read a launched step's tokens and apply them: outputs, finishes, the step record and
+        its events."""
+        tokens = step.out.result()
+        t1 = self.now()
         post: list[EngineEvent] = []
         req_events = [
-            RequestEvent(r.uid, "admitted", t0, {"cached_len": r.state.cached_len})
-            for r in scheduled.admitted
+            RequestEvent(r.uid, "admitted", step.t0, {"cached_len": r.state.cached_len})
+            for r in step.admitted
         ]
-        sampled = [r for r in batch.reqs if batch.kind(r) != "chunk"]
         finished = []
-        for req, tok in zip(sampled, tokens, strict=True):
+        gone: set[int] = set()
+        for req, tok in zip(step.out.reqs, tokens, strict=True):
             st = req.state
+            if st.aborted or st.finish_reason is not None:
+                # it ended while this step ran (aborted, or an EOS read one step late): the
+                # token is dropped, and so is the request from the record
+                gone.add(req.uid)
+                continue
             req.append_token(tok, t1)
             post.append(TokenEvent(req.uid, t1, tok, st.detok.push(tok)))
             if len(st.output_ids) == 1:
@@ -426,9 +477,10 @@ class LLM:
                 st.finish_reason = "length"
             if st.finish_reason is not None:
                 st.t_finished = t1
-                finished.append(st)
-        self.scheduler.finish_step(batch)
-        for st in finished:
+                finished.append(req)
+        for req in finished:
+            st = req.state
+            self.scheduler.retire(req)
             req_events.append(
                 RequestEvent(
                     st.uid,
@@ -444,13 +496,20 @@ class LLM:
             )
             self._end(st.uid, st)
 
+        items = step.items
+        gone |= {r.uid for r in step.batch.reqs if r.state.aborted}  # chunks don't sample
+        if gone:
+            items = tuple(it for it in items if it.uid not in gone)
+            if not items:  # nothing in it reached a live request
+                self._emit(req_events)
+                return None
         record = StepRecord(
             step=self._step_no,
-            t0=t0,
+            t0=step.t0,
             t1=t1,
-            phase=batch.phase,
-            budget=live.max_extend_tokens,
-            policy=live.policy,
+            phase=step.batch.phase,
+            budget=step.live.max_extend_tokens,
+            policy=step.live.policy,
             items=items,
             kv=self.kv_stats(),
             queue=self.queue_stats(),

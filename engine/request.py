@@ -33,7 +33,8 @@ class RequestState:
     cached_len: int = 0  # tokens served by the prefix cache at admission
     finish_reason: FinishReason | None = None
     t_finished: float | None = None
-    reserved_pages: int = 0  # pages promised at admission and not yet allocated
+    launched_tokens: int = 0  # tokens whose sampling was launched (some may be in flight)
+    aborted: bool = False
 
     @property
     def prompt_len(self) -> int:

@@ -1,14 +1,20 @@
-"""ModelRunner: turns a scheduled batch into tensors, runs the model and samples.
+"""ModelRunner: turns a scheduled batch into tensors, launches the model and samples on the device.
 
 Only rows that sample get logits: the last position of each finished prompt and each decode.
 A chunk's logits would belong to a mid-prompt position and are never computed. On CUDA a pure
 decode step replays a captured graph (engine.cuda_graph) when one fits; every other step runs
 eagerly.
+
+`launch` does not wait for the device. Its `Launched` result hands the sampled tokens over when
+asked, so the engine can schedule and launch the next step while this one runs (overlap). The
+next step's decode rows then take their input token straight from this step's sampled tokens on
+the device (`prev`), without a round trip through the host.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +23,7 @@ from engine.kvcache.pool import KVPool
 from engine.kvcache.table import PageTable
 from engine.models.llama import CausalLM
 from engine.request import Req, RequestState
-from engine.sampling import sample
+from engine.sampling import sample_tokens
 from engine.scheduler.batch import Batch
 
 log = logging.getLogger(__name__)
@@ -32,6 +38,33 @@ def token_ids(state: RequestState, start: int, end: int) -> list[int]:
     if start >= n:
         return out[start - n : end - n]
     return prompt[start:] + out[: end - n]
+
+
+@dataclass(eq=False)
+class Launched:
+    """A launched step's sampled tokens: one per request that samples (`reqs`, in row order),
+    on the device, with a host copy under way on CUDA."""
+
+    reqs: list[Req]
+    tokens: torch.Tensor | None = None  # int64 [len(reqs)] on the device
+    host: torch.Tensor | None = None  # pinned copy of `tokens`, valid once `ready` fires
+    ready: torch.cuda.Event | None = None
+    _rows: dict[int, int] = field(default_factory=dict)
+
+    def row_of(self, uid: int) -> int:
+        if not self._rows:
+            self._rows = {r.uid: i for i, r in enumerate(self.reqs)}
+        return self._rows[uid]
+
+    def result(self) -> list[int]:
+        """The tokens on the host; waits for the device if the step is still running."""
+        if self.tokens is None:
+            return []
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()  # releases the GIL while it waits
+        assert self.host is not None
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -64,12 +97,46 @@ class ModelRunner:
                     model, backend, table, pad_page, pool.page_size, max_batch, device
                 )
 
-    def layout(self, batch: Batch) -> tuple[BatchLayout, list[int], list[int]]:
+    def input_ids(
+        self, reqs: list[Req], prev: Launched | None
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Token ids of tokens [cached_len, device_len) of every request, in batch order, plus
+        the positions whose token `prev` (the step still in flight) is sampling, and that
+        token's row there. Those positions hold 0 until `patch` fills them on the device."""
         ids: list[int] = []
+        dst: list[int] = []
+        src: list[int] = []
+        for req in reqs:
+            st = req.state
+            known = st.prompt_len + len(st.output_ids)
+            if req.device_len <= known:
+                ids += token_ids(st, req.cached_len, req.device_len)
+                continue
+            # only the last token can be missing: the engine is at most one step ahead
+            assert prev is not None and req.device_len == known + 1, "input token unknown"
+            ids += token_ids(st, req.cached_len, known)
+            dst.append(len(ids))
+            src.append(prev.row_of(req.uid))
+            ids.append(0)
+        return ids, dst, src
+
+    def patch(
+        self, buf: torch.Tensor, dst: list[int], src: list[int], prev: Launched | None
+    ) -> None:
+        """buf[dst] = prev's tokens at rows src, on the device (ordered after prev's sampling)."""
+        if not dst:
+            return
+        assert prev is not None and prev.tokens is not None
+        idx = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
+        buf[idx[0]] = prev.tokens[idx[1]]
+
+    def layout(
+        self, batch: Batch, prev: Launched | None = None
+    ) -> tuple[BatchLayout, list[int], list[int], list[int], list[int]]:
+        ids, dst, src = self.input_ids(batch.reqs, prev)
         positions: list[int] = []
         rows: list[int] = []
         for req in batch.reqs:
-            ids += token_ids(req.state, req.cached_len, req.device_len)
             positions += range(req.cached_len, req.device_len)
             rows += [req.table_idx] * req.extend_len
         # one gather for the whole step rather than a slice per request
@@ -81,39 +148,57 @@ class ModelRunner:
             out_loc=out_loc.to(self.device, non_blocking=True),
             table=self.table,
         )
-        return layout, ids, positions
+        return layout, ids, positions, dst, src
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[int]:
-        """Sampled token ids, one per request that samples this step, in batch order."""
+    def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
+        """Queue the step on the device and return without waiting for it. `prev` is the step
+        launched before this one if its tokens have not been read yet."""
         reqs = batch.reqs
         if self.graphs is not None and batch.phase == "decode" and self.graphs.fits(len(reqs)):
-            logits = self._replay_decode(batch)
+            logits = self._replay_decode(batch, prev)
             sampling = reqs
         else:
-            logits, sampling = self._run_eager(batch)
+            logits, sampling = self._run_eager(batch, prev)
             if logits is None:
-                return []
-        if self.device.type == "cuda":
-            # wait here, where the wait releases the GIL, rather than inside the sampler's copy
-            # to the host: another thread (the event publisher) runs while the GPU works
-            torch.cuda.current_stream(self.device).synchronize()
-        params = [r.state.params for r in sampling]
-        return sample(logits, params, [r.state.generator for r in sampling])
+                return Launched([])
+        tokens = sample_tokens(
+            logits, [r.state.params for r in sampling], [r.state.generator for r in sampling]
+        )
+        if self.device.type != "cuda":
+            return Launched(sampling, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(sampling, tokens, host, ready)
 
-    def _replay_decode(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch) -> list[int]:
+        """Launch and wait: the sampled token ids, one per request that samples, in order."""
+        return self.launch(batch).result()
+
+    def _replay_decode(self, batch: Batch, prev: Launched | None) -> torch.Tensor:
         assert self.graphs is not None
         reqs = batch.reqs
         rows = [r.table_idx for r in reqs]
         starts = [r.cached_len for r in reqs]
-        ids = [token_ids(r.state, r.cached_len, r.device_len)[0] for r in reqs]
+        ids, dst, src = self.input_ids(reqs, prev)
         slots = self.table.slots[torch.tensor(rows), torch.tensor(starts)].tolist()
-        return self.graphs.replay(rows, [r.device_len for r in reqs], ids, slots)
+        return self.graphs.replay(
+            rows,
+            [r.device_len for r in reqs],
+            ids,
+            slots,
+            fill=lambda io: self.patch(io, dst, src, prev),
+        )
 
-    def _run_eager(self, batch: Batch) -> tuple[torch.Tensor | None, list[Req]]:
-        layout, ids, positions = self.layout(batch)
+    def _run_eager(
+        self, batch: Batch, prev: Launched | None
+    ) -> tuple[torch.Tensor | None, list[Req]]:
+        layout, ids, positions, dst, src = self.layout(batch, prev)
         meta = self.backend.prepare(layout)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.patch(input_ids, dst, src, prev)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, pos, self.backend, meta)
         sampling = [i for i, r in enumerate(batch.reqs) if batch.kind(r) != "chunk"]

@@ -48,15 +48,16 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def sample(
+def sample_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[int]:
-    """One token per row of `logits`; greedy rows in one argmax, the others row by row."""
+) -> torch.Tensor:
+    """One token per row of `logits`, as an int64 tensor on the logits' device. Nothing here
+    waits for the device, so on CUDA the host can go on while the tokens are computed."""
     import torch
 
-    out = logits.argmax(dim=-1).tolist()
+    out = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
             continue
@@ -74,5 +75,5 @@ def sample(
             drop = sorted_p.cumsum(0) - sorted_p > p.top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
     return out

@@ -88,7 +88,7 @@ class EngineLoop:
                 self.wake.clear()  # before looking for work, so a later command is not missed
                 self._run_calls()
                 record = self.run_once()
-                if record is None:
+                if record is None and not self.llm.in_flight:
                     self.flush()
                     self.wake.wait(timeout=0.05 if self.llm.has_work() else 0.5)
         finally:
@@ -240,8 +240,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-extend-tokens", type=_positive, default=256, help="prompt tokens per step")
     add("--policy", default="prefill_first", choices=POLICY_NAMES)
-    add("--page-size", type=_positive, default=1)
+    add("--page-size", type=_positive, default=None, help="default: 16 on CUDA, 1 on CPU")
     add("--cache-type", default="radix", choices=CACHE_TYPES)
+    add(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay decode steps from captured CUDA graphs",
+    )
+    add(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs this one (default: on CUDA)",
+    )
     add("--max-running-req", type=_positive, default=32)
     add("--num-pages", type=_positive, default=None)
     add("--max-seq-len", type=_positive, default=None)
@@ -292,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, device=args.device, dtype=args.dtype,
             max_extend_tokens=args.max_extend_tokens, policy=args.policy,
             page_size=args.page_size, cache_type=args.cache_type,
+            cuda_graph=args.cuda_graph, overlap=args.overlap,
             max_running_req=args.max_running_req, num_pages=args.num_pages,
             max_seq_len=args.max_seq_len, progress=True,
         )  # fmt: skip

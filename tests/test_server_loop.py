@@ -22,6 +22,8 @@ class FakeLLM:
     def add_event_hook(self, fn: Callable[[Any], None]) -> None:
         self.hooks.append(fn)
 
+    in_flight = False
+
     def has_work(self) -> bool:
         return bool(self.script)
 

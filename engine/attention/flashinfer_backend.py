@@ -88,6 +88,7 @@ class FlashInferAttention(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=True
         )
         self._graph_indices: torch.Tensor | None = None
+        self._planned: torch.cuda.Event | None = None
 
     def prepare(self, layout: BatchLayout) -> FlashInferMeta:
         idx = page_index(layout.table, layout.rows, layout.ends, self.page_size)
@@ -95,7 +96,8 @@ class FlashInferAttention(AttentionBackend):
             self._plan_decode(self.decode, idx)
             return FlashInferMeta(self.decode, layout.out_loc)
         qo_indptr = torch.tensor(layout.qo_indptr, dtype=torch.int32)
-        self.prefill.plan(
+        self._plan(
+            self.prefill,
             qo_indptr,
             idx.indptr,
             idx.indices,
@@ -155,7 +157,8 @@ class FlashInferAttention(AttentionBackend):
         self._plan_decode(meta.wrapper, idx)
 
     def _plan_decode(self, wrapper: Wrapper, idx: PageIndex) -> None:
-        wrapper.plan(
+        self._plan(
+            wrapper,
             idx.indptr,
             idx.indices,
             idx.last_page_len,
@@ -167,3 +170,13 @@ class FlashInferAttention(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+
+    def _plan(self, wrapper: Wrapper, *args: object, **kwargs: object) -> None:
+        # plan() sends its schedule to the device from a pinned host buffer without waiting.
+        # When steps overlap, the next plan of the same wrapper could rewrite that buffer
+        # before the copy ran, so wait for it; it has long run when the device is busy.
+        if self._planned is not None:
+            self._planned.synchronize()
+        wrapper.plan(*args, **kwargs)
+        self._planned = torch.cuda.Event()
+        self._planned.record()

@@ -1,5 +1,10 @@
 """Scheduler: the waiting queue and the running set; builds each step's batch through a policy
 and applies the step's results (chunks continue first, finished requests give their pages back).
+
+A step is applied in two parts, so the next step can be scheduled before this one's tokens are
+known (overlap): `advance` right after launch (what was computed is cached; finished prompts
+join decode; a request whose last token is being sampled stops being scheduled), and `retire`
+when a finished request's final token has been read (it gives its row and pages back).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[PendingReq] = []
         self.running: list[Req] = []
+        self.finishing: list[Req] = []  # sampling their last token; retired when it is read
 
     # -- queue ---------------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -32,7 +38,8 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         """Admitted, unfinished requests; one part-way through its chunks counts."""
-        return len(self.running) + sum(1 for p in self.waiting if p.chunked_req is not None)
+        chunking = sum(1 for p in self.waiting if p.chunked_req is not None)
+        return len(self.running) + len(self.finishing) + chunking
 
     @property
     def num_waiting(self) -> int:
@@ -46,7 +53,7 @@ class Scheduler:
         total = 0
         for req in self.running:
             st = req.state
-            total += st.params.max_tokens - len(st.output_ids)
+            total += st.params.max_tokens - st.launched_tokens
         for p in self.waiting:
             if p.chunked_req is not None:
                 st = p.state
@@ -68,17 +75,30 @@ class Scheduler:
         self.kv.map_upto([(r.table_idx, r.device_len) for r in reqs])
         return Scheduled(Batch(reqs, frozenset(r.uid for r in decodes)), adder.admitted)
 
-    def finish_step(self, batch: Batch) -> None:
-        """After the forward: the computed KV now counts as cached; finished prompts decode."""
-        still_running = [r for r in self.running if r.uid not in batch.decode or not _done(r)]
+    def advance(self, batch: Batch) -> None:
+        """Right after launch: the step's KV counts as computed; finished prompts decode from
+        the next step; a request sampling its `max_tokens`-th token is not scheduled again."""
+        decoding = [r for r in self.running if r.uid not in batch.decode]
         for req in batch.reqs:
             req.cached_len = req.device_len
-            if req.uid not in batch.decode and req.can_decode and not _done(req):
-                still_running.append(req)
-        self.running = still_running
-        for req in batch.reqs:
-            if req.can_decode and _done(req):
-                self.release(req)
+            if not req.can_decode:
+                continue
+            st = req.state
+            st.launched_tokens += 1
+            if st.launched_tokens >= st.params.max_tokens:
+                self.finishing.append(req)
+            else:
+                decoding.append(req)
+        self.running = decoding
+
+    def retire(self, req: Req) -> None:
+        """A request's final token was read (or it was found to end early): stop scheduling it
+        and give its row and pages back."""
+        if req in self.finishing:
+            self.finishing.remove(req)
+        else:
+            self.running.remove(req)
+        self.release(req)
 
     def release(self, req: Req) -> None:
         # KV exists for every token but the last sampled one, which was never fed back
@@ -92,17 +112,14 @@ class Scheduler:
                 if p.chunked_req is not None:  # admitted: it holds a row, pages and a lock
                     self.release(p.chunked_req)
                 return p.state
-        for i, req in enumerate(self.running):
-            if req.uid == uid:
-                del self.running[i]
-                self.release(req)
-                return req.state
+        for group in (self.running, self.finishing):
+            for i, req in enumerate(group):
+                if req.uid == uid:
+                    del group[i]
+                    self.release(req)
+                    return req.state
         return None
 
     def active_rows(self) -> list[int]:
-        rows = [r.table_idx for r in self.running]
+        rows = [r.table_idx for r in self.running + self.finishing]
         return rows + [p.chunked_req.table_idx for p in self.waiting if p.chunked_req is not None]
-
-
-def _done(req: Req) -> bool:
-    return req.state.finish_reason is not None
