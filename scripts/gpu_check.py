@@ -67,6 +67,7 @@ BATCHES = (1, 16, 64, 256)
 PROMPT_LEN, NEW_TOKENS = 512, 128
 LONG_PROMPT, DECODERS = 8000, 32  # the stall table's arriving prompt and decoding requests
 CHUNK_PROMPTS = 32  # prompts of the chunked-vs-unchunked comparison
+OVERHEAD_ROUNDS = 8
 SECTIONS = (
     "warmup pytest bandwidth logits backends chunked bench overhead stall hf hf_static smollm2"
 ).split()
@@ -227,11 +228,11 @@ def phase_trace(llm: LLM, prompts: list[list[int]], late: list[int]) -> list[tup
         while llm.has_work():
             if n == 3:
                 llm.submit(late, SamplingParams(max_tokens=4, ignore_eos=True))
-            before = len(tap.calls)
             record = llm.step()
             n += 1
-            if record is not None and len(tap.calls) > before:
-                steps.append((record.phase, tap.calls[-1]))
+            logits = tap.rows_of(record)
+            if logits is not None:
+                steps.append((record.phase, logits))
     return steps
 
 
@@ -295,18 +296,18 @@ def chunk_rows(llm: LLM, prompts: list[list[int]], name: str) -> list[list[Any]]
 
 
 # -- timing --------------------------------------------------------------------------------
-def timed_runner(llm: LLM) -> list[float]:
-    """Wrap the runner so every run() records its wall time; returns the list it fills."""
+def timed_launch(llm: LLM) -> list[float]:
+    """Wrap the runner so every launch() records its host time; returns the list it fills."""
     times: list[float] = []
-    run = llm.runner.run
+    launch = llm.runner.launch
 
-    def timed(batch: Any) -> list[int]:
+    def timed(*args: Any) -> Any:
         t = time.perf_counter()
-        out = run(batch)
+        out = launch(*args)
         times.append(time.perf_counter() - t)
         return out
 
-    llm.runner.run = timed  # type: ignore[method-assign]
+    llm.runner.launch = timed  # type: ignore[method-assign]
     return times
 
 
@@ -619,7 +620,8 @@ def bench_engine(r: Report) -> LLM:
         r.bench_llm = qwen_engine(
             max_running_req=256,
             max_seq_len=8320,
-            num_pages=256 * 680,
+            num_pages=256 * 680 // 16,
+            page_size=16,
             max_extend_tokens=16384,
             cache_type="naive",
         )
@@ -629,31 +631,25 @@ def bench_engine(r: Report) -> LLM:
 def sec_bench(r: Report) -> None:
     bw = r.data.get("copy_bw") or 4.1e12
     rows, raw = [], {}
+    page16: dict[str, Any] = dict(
+        max_running_req=256,
+        max_seq_len=1024,
+        num_pages=256 * 680 // 16,
+        page_size=16,
+        max_extend_tokens=16384,
+        cache_type="naive",
+    )
     variants: list[tuple[str, Callable[[], LLM], tuple[int, ...]]] = [
-        ("page 1, graphs", lambda: bench_engine(r), BATCHES),
+        ("page 16, graphs, overlap", lambda: qwen_engine(**page16), BATCHES),
         (
-            "page 16, graphs",
-            lambda: qwen_engine(
-                max_running_req=256,
-                max_seq_len=1024,
-                num_pages=256 * 680 // 16,
-                page_size=16,
-                max_extend_tokens=16384,
-                cache_type="naive",
-            ),
-            (64, 256),
+            "page 16, graphs, no overlap",
+            lambda: qwen_engine(**{**page16, "overlap": False}),
+            (1, 64),
         ),
         (
-            "page 1, eager",
-            lambda: qwen_engine(
-                max_running_req=64,
-                max_seq_len=1024,
-                num_pages=64 * 680,
-                cuda_graph=False,
-                max_extend_tokens=16384,
-                cache_type="naive",
-            ),
-            (1, 64),
+            "page 1, graphs, overlap",
+            lambda: qwen_engine(**{**page16, "page_size": 1, "num_pages": 256 * 680}),
+            (64,),
         ),
     ]
     for name, make, batches in variants:
@@ -661,7 +657,7 @@ def sec_bench(r: Report) -> None:
             r.say(f"(skipped bench variant {name}: out of time)")
             continue
         llm = make()
-        runner_times = timed_runner(llm)
+        runner_times = timed_launch(llm)
         wbytes, kvtok = weight_bytes(llm), kv_bytes_per_token(llm)
         for bs in batches:
             rng = random.Random(bs)
@@ -673,7 +669,7 @@ def sec_bench(r: Report) -> None:
             )
             dec = decode_times(run, bs)
             mean = statistics.fmean(dec)
-            # runner.run of the decode steps: the last len(dec) calls
+            # runner.launch of the decode steps: the last len(dec) calls
             run_ms = statistics.median(runner_times[-len(dec) :]) * 1e3
             ctx = PROMPT_LEN + NEW_TOKENS / 2  # mean context of a decode step
             floor = (wbytes + bs * ctx * kvtok) / bw * 1e3
@@ -709,7 +705,7 @@ def sec_bench(r: Report) -> None:
                 ]
             )
             print(row, flush=True)
-        del llm.runner.run  # back to the class's method
+        del llm.runner.launch  # back to the class's method
         r.data["bench_meta"] = {"weight_bytes": wbytes, "kv_bytes_per_token": kvtok, "copy_bw": bw}
         del llm
         free()
@@ -724,7 +720,7 @@ def sec_bench(r: Report) -> None:
             "batch",
             "step ms (mean)",
             "step ms (median)",
-            "runner ms",
+            "launch ms (host)",
             "graph replay ms (ctx 639)",
             "memory floor ms (ctx 576)",
             "step / floor",
@@ -736,9 +732,10 @@ def sec_bench(r: Report) -> None:
     r.say(
         f"Weights {wbytes / 1e9:.2f} GB read once per step; KV {kvtok / 1e3:.0f} KB per cached "
         f"token; floor = (weights + batch x context x KV per token) / {bw / 1e12:.2f} TB/s "
-        "(the measured copy rate). Step = the whole `LLM.step()` (schedule, runner, sampling, "
-        "detokenizing, events); runner = `ModelRunner.run` (inputs, plan, graph replay, "
-        "sampling); replay = GPU time of the graph alone."
+        "(the measured copy rate). Step = the whole `LLM.step()` (schedule, launch, detokenizing, "
+        "events); with overlap, one call per step in steady state, so its time is the step "
+        "period. Launch = host time of `ModelRunner.launch` (inputs, plan, graph launch, "
+        "sampling queued); replay = GPU time of the graph alone."
     )
 
 
@@ -783,9 +780,17 @@ def sec_overhead(r: Report) -> None:
         stats = (statistics.median(times) * 1e3, statistics.fmean(times) * 1e3)
         results.setdefault(mode, []).append(stats)
 
-    measure("bare (no hook)")
+    measure("warm-up (discarded)")
     switch = Switch()
-    llm.add_event_hook(switch)
+    switch.target = None
+
+    def hooked(on: bool) -> None:
+        """The bare engine has no hook at all; the served one has the server's."""
+        hooks = llm._event_hooks
+        if on and switch not in hooks:
+            hooks.append(switch)
+        elif not on and switch in hooks:
+            hooks.remove(switch)
     # the server's own wiring (recorder, publisher, engine loop, command handler); its event
     # hook goes behind the switch instead of being attached for good
     server = build(llm, build_parser().parse_args(["--port", "0"]))
@@ -802,15 +807,16 @@ def sec_overhead(r: Report) -> None:
             break
         time.sleep(0.05)
     sent0 = publisher.messages_published
+    bare, served = "bare engine", "server + 1 client"
     try:
-        for _ in range(3):
+        for k in range(OVERHEAD_ROUNDS):
+            # ABBA order, so a drift of the machine's speed over time cancels out
+            for mode in (bare, served) if k % 2 == 0 else (served, bare):
+                switch.target = loop.on_event if mode == served else None
+                hooked(mode == served)
+                measure(mode, loop.run_once if mode == served else None)
             switch.target = None
-            measure("switch off")
-            switch.target = lambda ev: json.dumps(ev.to_dict())
-            measure("hook: json.dumps each event")
-            switch.target = loop.on_event
-            measure("server + 1 client", loop.run_once)
-            switch.target = None
+            hooked(True)  # for the stall section, which shares the switch
     finally:
         publisher.stop()
         out, _ = client.communicate(timeout=30)
@@ -819,29 +825,37 @@ def sec_overhead(r: Report) -> None:
     def summary(v: list[tuple[float, float]]) -> tuple[float, float]:
         return statistics.median(m for m, _ in v), statistics.fmean(x for _, x in v)
 
-    base_med, base_mean = summary(results["switch off"])
+    base_med, base_mean = summary(results[bare])
     rows = []
-    for mode, v in results.items():
-        med, mean = summary(v)
-        runs = ", ".join(f"{m:.2f}/{x:.2f}" for m, x in v)
+    for mode in (bare, served):
+        med, mean = summary(results[mode])
+        runs = ", ".join(f"{m:.3f}" for m, _ in results[mode])
         rows.append(
             [mode, med, mean, runs, (med / base_med - 1) * 100, (mean / base_mean - 1) * 100]
         )
+    ratios = [b[0] / a[0] for a, b in zip(results[bare], results[served], strict=True)]
+    r.say(
+        "Per round, server / bare median step: "
+        + ", ".join(f"{(x - 1) * 100:+.1f}%" for x in ratios)
+        + f"; median of rounds {(statistics.median(ratios) - 1) * 100:+.2f}%."
+    )
     r.data["overhead"] = {
         "results_ms": results,
+        "server_over_bare": ratios,
         "client": first,
         "published": publisher.messages_published - sent0,
         "received": received,
     }
     r.table(
-        f"Instrumentation overhead: decode steps at batch {bs}, three interleaved rounds",
+        f"Instrumentation overhead: decode steps at batch {bs}, {OVERHEAD_ROUNDS} interleaved "
+        "rounds",
         [
             "mode",
             "median step ms",
             "mean step ms",
-            "runs (median/mean)",
-            "median vs switch off (%)",
-            "mean vs switch off (%)",
+            "median of each run",
+            "median vs bare (%)",
+            "mean vs bare (%)",
         ],
         rows,
     )

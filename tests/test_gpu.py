@@ -71,25 +71,35 @@ def make_wide_model(
 
 
 class LogitTap:
-    """Records the logits the runner hands to the sampler, one [rows, vocab] tensor per call."""
+    """Records the logits each launched step hands to the sampler, one [rows, vocab] tensor per
+    launch, in launch order. Step records come in the same order, with or without overlap, so
+    `rows_of(record)` finds the tensor behind a record."""
 
     def __init__(self) -> None:
         self.calls: list[torch.Tensor] = []
+        self._read = 0
 
     def __enter__(self) -> LogitTap:
         import engine.runner as runner
 
-        self._runner, self._sample = runner, runner.sample
+        self._runner, self._sample = runner, runner.sample_tokens
 
-        def tapped(logits: torch.Tensor, *args: Any) -> list[int]:
+        def tapped(logits: torch.Tensor, *args: Any) -> torch.Tensor:
             self.calls.append(logits.float().cpu())
             return self._sample(logits, *args)
 
-        runner.sample = tapped
+        runner.sample_tokens = tapped
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._runner.sample = self._sample
+        self._runner.sample_tokens = self._sample
+
+    def rows_of(self, record: Any) -> torch.Tensor | None:
+        """The logits behind a step record (None for a record of chunks only, or no record)."""
+        if record is None or all(it.kind == "chunk" for it in record.items):
+            return None
+        self._read += 1
+        return self.calls[self._read - 1]
 
 
 @dataclass
@@ -107,12 +117,12 @@ def trace_run(llm: Any, prompts: list[list[int]], params: Any) -> list[Trace]:
     traces = {u: Trace() for u in uids}
     with LogitTap() as tap:
         while llm.has_work():
-            before = len(tap.calls)
             record = llm.step()
-            if record is None or len(tap.calls) == before:
+            logits = tap.rows_of(record)
+            if logits is None:
                 continue
             rows = [it.uid for it in record.items if it.kind != "chunk"]
-            for uid, row in zip(rows, tap.calls[-1], strict=True):
+            for uid, row in zip(rows, logits, strict=True):
                 traces[uid].tokens.append(int(row.argmax()))
                 traces[uid].logits.append(row)
     return [traces[u] for u in uids]
