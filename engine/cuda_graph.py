@@ -128,7 +128,7 @@ class DecodeGraphs:
             + [self.pad_page * self.page_size] * pad,
             dtype=torch.int64,
         )
-        self.io[: 3 * g].copy_(host)
+        self.io[: 3 * g].copy_(host, non_blocking=True)  # a blocking copy waits for the device
         if fill is not None:
             fill(self.io)
         self.backend.plan_graph(self.metas[g], self.table, rows, lengths, self.pad_page)

@@ -206,5 +206,6 @@ class ModelRunner:
             return None, []
         qo = layout.qo_indptr
         last = [qo[i + 1] - 1 for i in sampling]
-        logits = self.model.logits(hidden[torch.tensor(last, device=self.device)]).float()
+        rows = torch.tensor(last).to(self.device, non_blocking=True)  # no wait for the device
+        logits = self.model.logits(hidden[rows]).float()
         return logits, [batch.reqs[i] for i in sampling]

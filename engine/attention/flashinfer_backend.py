@@ -154,6 +154,11 @@ class FlashInferAttention(AttentionBackend):
         up to the graph's batch size. Call before every replay: plan cannot be captured."""
         pad = meta.out_loc.numel() - len(rows)
         idx = page_index(table, rows, lengths, self.page_size, pad, pad_page)
+        # on the device already: FlashInfer copies host indices into the graph's buffer with a
+        # blocking copy, which would wait for the step still running
+        idx = PageIndex(
+            idx.indptr, idx.indices.to(self.device, non_blocking=True), idx.last_page_len
+        )
         self._plan_decode(meta.wrapper, idx)
 
     def _plan_decode(self, wrapper: Wrapper, idx: PageIndex) -> None:
