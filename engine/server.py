@@ -46,6 +46,10 @@ log = logging.getLogger("stepscope.server")
 # each hand-over wakes that thread, which then holds the GIL the engine needs, so a fast engine
 # (milliseconds per step) should pay for it once per few steps, not every step.
 FLUSH_INTERVAL_S = 0.01
+# While the server thread serializes a batch of events it holds the GIL; the engine thread,
+# back from launching a step, then waits until the interpreter switches threads: 5 ms by
+# default, longer than a decode step on a GPU. A shorter interval bounds that wait.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineLoop:
@@ -344,6 +348,7 @@ class Server:
 
 def build(llm: Any, args: argparse.Namespace) -> Server:
     """Recorder, trace, publisher, engine loop and command handler around `llm` (not attached)."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     max_frame = 2**20
     recorder = Recorder(max_steps=args.history_steps, config=llm.config_dict())
     engine_facts = {**llm.info.to_dict(), "max_frame_bytes": max_frame,
