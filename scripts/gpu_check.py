@@ -69,8 +69,8 @@ LONG_PROMPT, DECODERS = 8000, 32  # the stall table's arriving prompt and decodi
 CHUNK_PROMPTS = 32  # prompts of the chunked-vs-unchunked comparison
 OVERHEAD_ROUNDS = 8
 SECTIONS = (
-    "warmup pytest bandwidth logits backends chunked syncs bench overhead stall hf hf_static "
-    "smollm2"
+    "warmup pytest bandwidth logits backends chunked syncs profile bench overhead stall hf "
+    "hf_static smollm2"
 ).split()
 
 
@@ -666,6 +666,30 @@ def sec_syncs(r: Report) -> None:
     )
     del llm
     free()
+
+
+def sec_profile(r: Report) -> None:
+    """Where the engine thread's host time goes in decode steps at batch 64 (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    llm = bench_engine(r)
+    rng = random.Random(3)
+    for _ in range(64):
+        llm.submit(rand_ids(PROMPT_LEN, rng), SamplingParams(max_tokens=48, ignore_eos=True))
+    for _ in range(8):  # through the prefill
+        llm.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    n = 0
+    while llm.has_work():
+        llm.step()
+        n += 1
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    r.say(f"\n### Host profile of {n} steps at batch 64 (tottime)\n\n```\n{buf.getvalue()}\n```\n")
 
 
 def sec_bench(r: Report) -> None:
