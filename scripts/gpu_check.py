@@ -17,8 +17,8 @@ Sections, in order (each isolated: one failing prints its traceback and the rest
   smollm2    the bundled SmolLM2 (if its weights are here): logits vs HF, chunked, backends
 
 Random-weight models sample token ids the bundled tokenizer does not know; the engine's
-tokenizer is swapped for one that folds ids into its vocabulary, so detokenizing costs what it
-would for a real model. Markdown tables go to stdout and OUT/gpu_check.md, raw numbers to
+detokenizer is swapped for one that folds ids into that vocabulary, so detokenizing costs what
+it would for a real model (the Rust incremental decoder, one call a token). Markdown tables go to stdout and OUT/gpu_check.md, raw numbers to
 OUT/gpu_check.json, both rewritten after every section.
 """
 
@@ -47,7 +47,9 @@ from transformers import LogitsProcessor
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import engine.llm  # noqa: E402
 from engine import LLM  # noqa: E402
+from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from engine.kvcache.pool import KVPool  # noqa: E402
 from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf, resolve  # noqa: E402
 from engine.records import TokenEvent  # noqa: E402
@@ -117,26 +119,23 @@ def _fmt(v: Any) -> str:
 
 
 # -- helpers -------------------------------------------------------------------------------
-class FoldedTokenizer:
-    """The bundled tokenizer with every id folded into its vocabulary (see the docstring)."""
+class FoldedDetokenizer(IncrementalDetokenizer):
+    """The engine's detokenizer with every id folded into the bundled tokenizer's vocabulary
+    (see the docstring): every token gets text, through the Rust `DecodeStream`, as it would
+    for a real model with its own tokenizer."""
 
-    def __init__(self, base: Any) -> None:
-        self.base, self.size = base, len(base)
+    def push(self, token_id: int) -> str:
+        return super().push(token_id % self.vocab if self.vocab else token_id)
 
-    def decode(self, ids: list[int], **kw: Any) -> str:
-        return self.base.decode([i % self.size for i in ids], **kw)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.base, name)
+engine.llm.IncrementalDetokenizer = FoldedDetokenizer  # type: ignore[misc]
 
 
 def qwen_engine(**kw: Any) -> LLM:
     args: dict[str, Any] = dict(
         model=str(QWEN), device=DEV, load_format="dummy", progress=False, max_seq_len=2048
     )
-    llm = LLM(**{**args, **kw})
-    llm.tokenizer = FoldedTokenizer(llm.tokenizer)
-    return llm
+    return LLM(**{**args, **kw})
 
 
 def free() -> None:
