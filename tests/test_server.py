@@ -19,11 +19,19 @@ MAX_RUNNING = 4
 MAX_WAITING = 6
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["--no-overlap", "--overlap"])
+def server(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """Each test runs against the synchronous engine and the overlapped one (step N+1 launched
+    before step N's tokens are read), which CUDA uses by default."""
     with running_server(
-        tiny_llama_dir, "--max-running-req", str(MAX_RUNNING), "--max-waiting", str(MAX_WAITING)
+        tiny_llama_dir,
+        "--max-running-req",
+        str(MAX_RUNNING),
+        "--max-waiting",
+        str(MAX_WAITING),
+        request.param,
     ) as srv:
+        srv.overlap = request.param == "--overlap"  # type: ignore[attr-defined]
         yield srv
 
 
@@ -128,6 +136,7 @@ def test_hello_lets_a_late_client_redraw_the_past(server: ServerProcess) -> None
     assert all(key in engine for key in facts)
     assert engine["vocab_size"] == 49152 and engine["max_frame_bytes"] == 2**20
     assert engine["max_running_req"] == MAX_RUNNING and hello["protocol"] == 1
+    assert engine["overlap"] is server.overlap  # type: ignore[attr-defined]
     assert set(hello["config"]) == {"max_extend_tokens", "policy"}
     assert hello["now"] >= max(m["t"] for m in ended.values())
     steps_seen = [m for m in early.seen if m["type"] == "step"]
