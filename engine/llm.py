@@ -217,6 +217,7 @@ class LLM:
         self._inflight: _InFlight | None = None  # with overlap: launched, tokens not yet read
         self._step_hooks: list[Hook] = []
         self._event_hooks: list[Hook] = []
+        self._wait_hooks: list[Callable[[], None]] = []
 
     # -- facts ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -276,6 +277,12 @@ class LLM:
         """fn sees every event in protocol order: at step start `queued` / `aborted` /
         `rejected`; after the forward the step record, its tokens, then its request events."""
         self._event_hooks.append(fn)
+
+    def add_wait_hook(self, fn: Callable[[], None]) -> None:
+        """fn runs on the engine thread when it is about to wait for the device to finish a
+        step. Work handed to another thread there (the server's events) runs while the device
+        computes, instead of taking the GIL from the engine thread while it schedules."""
+        self._wait_hooks.append(fn)
 
     def _emit(self, events: list[EngineEvent]) -> None:
         for ev in events:
@@ -451,6 +458,12 @@ class LLM:
     def _complete(self, step: _InFlight) -> StepRecord | None:
         """Read a launched step's tokens and apply them: outputs, finishes, the step record and
         its events."""
+        if self._wait_hooks and not step.out.done():
+            for fn in self._wait_hooks:
+                try:
+                    fn()
+                except Exception:  # as for event hooks: never the engine's failure
+                    log.exception("wait hook %r failed", fn)
         tokens = step.out.result()
         t1 = self.now()
         post: list[EngineEvent] = []

@@ -56,6 +56,10 @@ class Launched:
             self._rows = {r.uid: i for i, r in enumerate(self.reqs)}
         return self._rows[uid]
 
+    def done(self) -> bool:
+        """True once the tokens can be read without waiting."""
+        return self.ready is None or self.ready.query()
+
     def result(self) -> list[int]:
         """The tokens on the host; waits for the device if the step is still running."""
         if self.tokens is None:

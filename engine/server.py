@@ -72,6 +72,10 @@ class EngineLoop:
 
     def attach(self) -> EngineLoop:
         self.llm.add_event_hook(self.on_event)
+        if hasattr(self.llm, "add_wait_hook"):
+            # hand the events over while the engine waits for the device: the server thread
+            # then serializes them in time the engine thread does not need
+            self.llm.add_wait_hook(self.flush)
         return self
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:

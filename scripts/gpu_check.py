@@ -848,12 +848,13 @@ def sec_overhead(r: Report) -> None:
     switch.target = None
 
     def hooked(on: bool) -> None:
-        """The bare engine has no hook at all; the served one has the server's."""
-        hooks = llm._event_hooks
-        if on and switch not in hooks:
-            hooks.append(switch)
-        elif not on and switch in hooks:
-            hooks.remove(switch)
+        """The bare engine has no hook at all; the served one has the server's (its event
+        hook behind the switch, and the flush it runs while the engine waits for the device)."""
+        for hooks, fn in ((llm._event_hooks, switch), (llm._wait_hooks, loop.flush)):
+            if on and fn not in hooks:
+                hooks.append(fn)
+            elif not on and fn in hooks:
+                hooks.remove(fn)
 
     # the server's own wiring (recorder, publisher, engine loop, command handler); its event
     # hook goes behind the switch instead of being attached for good
@@ -880,7 +881,8 @@ def sec_overhead(r: Report) -> None:
                 hooked(mode == served)
                 measure(mode, loop.run_once if mode == served else None)
             switch.target = None
-            hooked(True)  # for the stall section, which shares the switch
+        hooked(False)
+        llm.add_event_hook(switch)  # for the stall section, which shares the switch
     finally:
         publisher.stop()
         out, _ = client.communicate(timeout=30)

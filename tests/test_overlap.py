@@ -146,3 +146,25 @@ def test_abort_while_its_step_is_in_flight(tiny_llama_dir) -> None:
     llm.check_integrity()
     end = llm.kv_stats()
     assert end.used == 0 and end.reserved == 0 and end.free == end.total
+
+
+def test_wait_hooks_run_before_waiting_for_a_step(tiny_llama_dir, monkeypatch) -> None:
+    """On CUDA a step's tokens are often not ready when the engine asks for them; the wait
+    hooks (the server hands its events over there) run then, and only then."""
+    from engine.runner import Launched
+
+    llm = _overlap_llm(tiny_llama_dir)
+    ev = Events()
+    llm.add_event_hook(ev)
+    calls: list[int] = []
+    llm.add_wait_hook(lambda: calls.append(len(ev.steps)))
+    prompt = [5, 6, 7, 8]
+    llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert calls == []  # on CPU every step is done by the time its tokens are read
+    monkeypatch.setattr(Launched, "done", lambda self: False)
+    llm.add_wait_hook(lambda: 1 / 0)  # a failing hook is logged, never the engine's failure
+    before = len(ev.steps)
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0]["token_ids"]) == 3
+    # once per completed step, each before that step's record was emitted
+    assert calls == [before, before + 1, before + 2]
