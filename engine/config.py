@@ -53,6 +53,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     cuda_graph: bool = True
     overlap: bool | None = None  # schedule step N+1 while N runs; None: on for CUDA
+    residual_dtype: str | None = None  # None: the compute dtype; "float32": a wider stream
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0
 
@@ -77,5 +78,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, bool) and not (name == "overlap" and v is None):
                 raise InvalidRequest(f"{name} must be a bool, got {v!r}")
+        if self.residual_dtype not in (None, "float32"):
+            raise InvalidRequest(
+                f"residual_dtype must be None or float32, got {self.residual_dtype!r}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise InvalidRequest(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -67,6 +67,7 @@ class EngineInfo:
     attention_backend: str
     architecture: str
     overlap: bool
+    residual_dtype: str
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +101,7 @@ class LLM:
         attention_backend: str = "auto",
         cuda_graph: bool = True,
         overlap: bool | None = None,
+        residual_dtype: str | None = None,
         load_format: str = "auto",
         seed: int = 0,
         progress: bool = True,
@@ -118,6 +120,7 @@ class LLM:
             attention_backend=attention_backend,
             cuda_graph=cuda_graph,
             overlap=overlap,
+            residual_dtype=residual_dtype,
             load_format=load_format,  # type: ignore[arg-type]
             seed=seed,
         )
@@ -152,6 +155,8 @@ class LLM:
             seed=cfg.seed,
         )
 
+        if cfg.residual_dtype is not None:
+            self.model.residual_dtype = DTYPES[cfg.residual_dtype]
         self.num_pages = cfg.num_pages or self._default_num_pages()
         # one spare page past the allocator's range: CUDA-graph padding rows write their KV there
         self.pool = KVPool(
@@ -204,6 +209,7 @@ class LLM:
             attention_backend=backend.name,
             architecture=mcfg.architecture,
             overlap=self.overlap,
+            residual_dtype=cfg.residual_dtype or dtype_name,
         )
 
         self._lock = threading.Lock()

@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay decode steps from captured CUDA graphs",
     )
     add(
+        "--residual-dtype",
+        default=None,
+        choices=("float32",),
+        help="keep the residual stream in float32 (default: the compute dtype)",
+    )
+    add(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -313,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             max_extend_tokens=args.max_extend_tokens, policy=args.policy,
             page_size=args.page_size, cache_type=args.cache_type,
             cuda_graph=args.cuda_graph, overlap=args.overlap,
+            residual_dtype=args.residual_dtype,
             max_running_req=args.max_running_req, num_pages=args.num_pages,
             max_seq_len=args.max_seq_len, progress=True,
         )  # fmt: skip

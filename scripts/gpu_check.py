@@ -473,6 +473,7 @@ LOGITS_HEADERS = [
     "FlashInfer + graphs vs HF fp32",
     "FlashInfer + graphs vs HF bf16",
     "torch attention vs HF fp32",
+    "FlashInfer + graphs, float32 residual, vs HF fp32",
     "HF bf16 vs HF fp32 (yardstick)",
 ]
 
@@ -494,12 +495,16 @@ def logits_table_rows(
     tres = logits_rows(ref, {"fp32": hf32}, prompts)
     del ref
     free()
+    wide = make(residual_dtype="float32")
+    wres = logits_rows(wide, {"fp32": hf32}, prompts)
+    del wide
+    free()
     yard = logits_rows_hf(hf16, hf32, prompts, vocab)
     rows = [
-        [name, k, res[f"fp32 {k}"], res[f"bf16 {k}"], tres[f"fp32 {k}"], yard[k]]
+        [name, k, res[f"fp32 {k}"], res[f"bf16 {k}"], tres[f"fp32 {k}"], wres[f"fp32 {k}"], yard[k]]
         for k in ("prefill", "decode")
     ]
-    return rows, {"flashinfer": res, "torch": tres, "hf_bf16_vs_fp32": yard}
+    return rows, {"flashinfer": res, "torch": tres, "wide": wres, "hf_bf16_vs_fp32": yard}
 
 
 def sec_logits(r: Report) -> None:

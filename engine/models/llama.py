@@ -28,20 +28,24 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dim of x: [T, dim], or [T, heads, dim] for per-head q/k norms."""
         fi = fused_kernels(x)
-        if fi is not None:
+        if fi is not None and x.dtype == self.weight.dtype:
             return fi.rmsnorm(x, self.weight, self.eps)
-        dtype = x.dtype
+        dtype = self.weight.dtype  # the compute type, also for a float32 residual stream
+        wide = x.dtype != dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if wide:  # from a float32 residual stream: scale in float32, round once
+            return (self.weight.float() * x).to(dtype)
+        return self.weight * x.to(dtype)  # as Hugging Face rounds
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add and the next norm in one kernel
-        on CUDA, which updates both tensors in place."""
+        on CUDA, which updates both tensors in place. A float32 residual stream stays float32;
+        the norm comes out in the compute type."""
         fi = fused_kernels(x)
-        if fi is not None:
+        if fi is not None and residual.dtype == x.dtype:
             fi.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual
         residual = x + residual
@@ -109,7 +113,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
+        h: torch.Tensor | None,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
@@ -117,8 +121,12 @@ class DecoderLayer(nn.Module):
         meta: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the caller adds the two,
-        fused into the next norm. `residual` is None for the first layer."""
-        if residual is None:
+        fused into the next norm. The first layer gets the embeddings as `h` (no residual yet),
+        or, for a float32 residual stream, already as `residual` (and no `h`)."""
+        if h is None:
+            assert residual is not None
+            x = self.input_layernorm(residual)
+        elif residual is None:
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
@@ -146,6 +154,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # None: the residual stream is kept in the compute type, as Hugging Face does. float32
+        # keeps it wider: each layer's add then rounds once less, at the price of unfused norms.
+        self.residual_dtype: torch.dtype | None = None
 
     def forward(
         self,
@@ -154,12 +165,14 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
+        h: torch.Tensor | None = self.model.embed_tokens(input_ids)
         residual = None
+        if self.residual_dtype is not None and h is not None and h.dtype != self.residual_dtype:
+            residual, h = h.to(self.residual_dtype), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, positions, self.rope, backend, meta)
-        if residual is None:  # no layers
-            return self.model.norm(h)
+        if h is None or residual is None:  # no layers
+            return self.model.norm(residual if h is None else h)
         return self.model.norm.add_forward(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
