@@ -177,10 +177,6 @@ class ModelRunner:
         ready.record()
         return Launched(sampling, tokens, host, ready)
 
-    def run(self, batch: Batch) -> list[int]:
-        """Launch and wait: the sampled token ids, one per request that samples, in order."""
-        return self.launch(batch).result()
-
     def _replay_decode(self, batch: Batch, prev: Launched | None) -> torch.Tensor:
         assert self.graphs is not None
         reqs = batch.reqs
