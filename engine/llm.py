@@ -581,5 +581,9 @@ class LLM:
         while any(self._collect[u] is None for u in uids):
             if self.step() is None and not self.has_work():
                 raise RuntimeError("the engine went idle with requests unfinished")
+        # with overlap, a step launched for a request whose EOS was read late may still run:
+        # complete it when nothing else is queued, so the engine is idle on return
+        while self._inflight is not None and not self._inbox and not self.scheduler.has_work():
+            self.step()
         with self._lock:
             return [self._collect.pop(u) for u in uids]  # type: ignore[misc]

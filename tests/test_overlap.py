@@ -110,6 +110,9 @@ def test_sampled_tokens_and_eos_match_the_synchronous_engine(tiny_llama_dir, pol
     # the same work, in the same steps: overlap changes when tokens are read, not the schedule
     # (but for the steps launched for a request whose EOS was not read yet)
     assert [len(s.items) for s in lap.steps] == [len(s.items) for s in sync.steps]
+    # generate() leaves no step behind, not even one launched for a request already ended
+    out = b.generate(prompts[:1], params[:1])
+    assert out[0]["finish_reason"] == "eos" and not b.has_work()
 
 
 def _in_flight(llm: LLM) -> set[int]:
