@@ -1,7 +1,7 @@
 """Benchmarks of the engine server: instrumentation overhead, and a soak over the socket.
 
     python scripts/bench_server.py overhead [--model smollm2] [--pairs 3]
-    python scripts/bench_server.py soak [--model tiny] [--requests 2000]
+    python scripts/bench_server.py soak [--model tiny] [--requests 2000] [--overlap]
 
 `overhead` runs the same workload on one engine, alternating rounds without and with the whole
 server stack (event hook, recorder, publisher thread, one connected client in another process
@@ -250,7 +250,8 @@ def soak(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "engine.server", "--model", model_path(args.model, Path(tmp)),
                "--port", "0", "--max-running-req", "16", "--max-waiting", str(args.max_waiting),
-               "--max-seq-len", "1024", "--threads", str(args.threads)]  # fmt: skip
+               "--max-seq-len", "1024", "--threads", str(args.threads),
+               "--overlap" if args.overlap else "--no-overlap"]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None
@@ -312,6 +313,7 @@ def main() -> int:
     k.add_argument("--max-waiting", type=int, default=32, help="the server's --max-waiting")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--threads", type=int, default=1, help="the server's --threads")
+    k.add_argument("--overlap", action="store_true", help="the server overlaps steps (as on CUDA)")
     r = sub.add_parser("read", help=argparse.SUPPRESS)
     r.add_argument("url")
     args = p.parse_args()
