@@ -611,6 +611,12 @@ def sec_chunked(r: Report) -> None:
     rows += chunk_rows(qwen, prompts, "Qwen3-0.6B shape, random")
     del qwen
     free()
+    wide_res = qwen_engine(
+        max_running_req=32, num_pages=65536, cache_type="naive", residual_dtype="float32"
+    )
+    rows += chunk_rows(wide_res, prompts, "Qwen3-0.6B shape, random, float32 residual")
+    del wide_res
+    free()
     r.data["chunked"] = rows
     r.table(
         f"Chunked against unchunked prefill (budget 8192), greedy, first 32 tokens of "
@@ -1201,6 +1207,10 @@ def sec_smollm2(r: Report) -> None:
     crow = chunk_rows(llm, prompts, "SmolLM2-135M-Instruct")
     logit_prompts = [*prompts[:3], llm.encode(question, chat=True)]
     del llm
+    free()
+    wide_res = make(residual_dtype="float32")
+    crow += chunk_rows(wide_res, prompts, "SmolLM2-135M-Instruct, float32 residual")
+    del wide_res
     free()
     hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     hf32 = hf32.to(DEV).eval()
