@@ -93,24 +93,11 @@ class FlashInferAttention(AttentionBackend):
     def prepare(self, layout: BatchLayout) -> FlashInferMeta:
         idx = page_index(layout.table, layout.rows, layout.ends, self.page_size)
         if layout.is_decode:
-            self._plan_decode(self.decode, idx)
+            self._plan(self.decode, idx)
             return FlashInferMeta(self.decode, layout.out_loc)
         qo_indptr = torch.tensor(layout.qo_indptr, dtype=torch.int32)
-        self._plan(
-            self.prefill,
-            qo_indptr,
-            idx.indptr,
-            idx.indices,
-            idx.last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            causal=True,  # bottom-right aligned: query i of a chunk sees the prefix and itself
-            sm_scale=self.scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-        )
+        # causal is bottom-right aligned: query i of a chunk sees the prefix and itself
+        self._plan(self.prefill, idx, qo_indptr, causal=True)
         return FlashInferMeta(self.prefill, layout.out_loc)
 
     def forward(
@@ -159,11 +146,17 @@ class FlashInferAttention(AttentionBackend):
         idx = PageIndex(
             idx.indptr, idx.indices.to(self.device, non_blocking=True), idx.last_page_len
         )
-        self._plan_decode(meta.wrapper, idx)
+        self._plan(meta.wrapper, idx)
 
-    def _plan_decode(self, wrapper: Wrapper, idx: PageIndex) -> None:
-        self._plan(
-            wrapper,
+    def _plan(self, wrapper: Wrapper, idx: PageIndex, *lead: torch.Tensor, **extra: object) -> None:
+        """wrapper.plan for these pages; `lead` is the prefill wrapper's qo_indptr."""
+        # plan() sends its schedule to the device from a pinned host buffer without waiting.
+        # When steps overlap, the next plan of the same wrapper could rewrite that buffer
+        # before the copy ran, so wait for it; it has long run when the device is busy.
+        if self._planned is not None:
+            self._planned.synchronize()
+        wrapper.plan(
+            *lead,
             idx.indptr,
             idx.indices,
             idx.last_page_len,
@@ -174,14 +167,7 @@ class FlashInferAttention(AttentionBackend):
             sm_scale=self.scale,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
+            **extra,
         )
-
-    def _plan(self, wrapper: Wrapper, *args: object, **kwargs: object) -> None:
-        # plan() sends its schedule to the device from a pinned host buffer without waiting.
-        # When steps overlap, the next plan of the same wrapper could rewrite that buffer
-        # before the copy ran, so wait for it; it has long run when the device is busy.
-        if self._planned is not None:
-            self._planned.synchronize()
-        wrapper.plan(*args, **kwargs)
         self._planned = torch.cuda.Event()
         self._planned.record()
