@@ -1106,57 +1106,38 @@ def hf_model() -> Any:
 
 
 def sec_hf(r: Report) -> None:
-    model = hf_model()
-    rows, raw = [], {}
-    for bs in BATCHES:
-        if r.left() < 40:
-            r.say(f"(skipped HF default cache at batch {bs}: out of time)")
-            continue
-        res = hf_generate(model, bs)
-        raw[bs] = res
-        rows.append(
-            [
-                "default (dynamic)",
-                bs,
-                res["step_ms_mean"],
-                res["step_ms_median"],
-                res["decode_tok_s"],
-                res["e2e_tok_s"],
-            ]
-        )
-        print(bs, res, flush=True)
-    r.data["hf"] = raw
-    _hf_table(r, "default", rows)
-    del model
-    free()
+    hf_section(r, None, list(BATCHES))
 
 
 def sec_hf_static(r: Report, batches: list[int]) -> None:
+    hf_section(r, "static", batches)
+
+
+def hf_section(r: Report, cache: str | None, batches: list[int]) -> None:
+    """Hugging Face `generate` with its default cache (None) or the static one, which compiles
+    on its first call: that call is timed apart and the second one measured."""
     model = hf_model()
+    kw = {} if cache is None else {"cache_implementation": cache}
     rows, raw = [], {}
     for bs in batches:
-        if r.left() < 150:
-            r.say(f"(skipped HF static cache at batch {bs}: out of time)")
+        if r.left() < (40 if cache is None else 150):
+            r.say(f"(skipped HF {cache or 'default'} cache at batch {bs}: out of time)")
             continue
-        t = time.perf_counter()
-        hf_generate(model, bs, cache_implementation="static")  # compiles on first use
-        first = time.perf_counter() - t
-        res = hf_generate(model, bs, cache_implementation="static")
-        res["first_call_s"] = first
+        label = "default (dynamic)"
+        if cache is not None:
+            t = time.perf_counter()
+            hf_generate(model, bs, **kw)
+            first = time.perf_counter() - t
+            label = f"{cache} (first call {first:.0f} s)"
+        res = hf_generate(model, bs, **kw)
+        if cache is not None:
+            res["first_call_s"] = first
         raw[bs] = res
-        rows.append(
-            [
-                f"static (first call {first:.0f} s)",
-                bs,
-                res["step_ms_mean"],
-                res["step_ms_median"],
-                res["decode_tok_s"],
-                res["e2e_tok_s"],
-            ]
-        )
+        row = [res["step_ms_mean"], res["step_ms_median"], res["decode_tok_s"], res["e2e_tok_s"]]
+        rows.append([label, bs, *row])
         print(bs, res, flush=True)
-        r.data["hf_static"] = raw
-    _hf_table(r, "static", rows)
+        r.data["hf" if cache is None else f"hf_{cache}"] = raw
+    _hf_table(r, cache or "default", rows)
     del model
     free()
 
