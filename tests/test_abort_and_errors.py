@@ -103,6 +103,12 @@ def test_bad_engine_arguments(tiny_llama_dir, tmp_path) -> None:
         LLM(str(tiny_llama_dir), policy="fastest")
     with pytest.raises(InvalidRequest, match="page_size"):
         LLM(str(tiny_llama_dir), page_size=0)
+    with pytest.raises(InvalidRequest, match="residual_dtype"):
+        LLM(str(tiny_llama_dir), residual_dtype="float64")
+    with pytest.raises(InvalidRequest, match="overlap must be a bool"):
+        LLM(str(tiny_llama_dir), overlap="yes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="cuda_graph must be a bool"):
+        LLM(str(tiny_llama_dir), cuda_graph=1)  # type: ignore[arg-type]
     with pytest.raises(ModelNotFound, match=str(tmp_path / "nowhere")):
         LLM(str(tmp_path / "nowhere"))
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
