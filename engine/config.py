@@ -9,6 +9,7 @@ from engine.errors import InvalidRequest
 
 POLICY_NAMES = ("prefill_first", "mixed")
 CACHE_TYPES = ("radix", "naive")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton")
 Device = Literal["cpu", "cuda", "auto"]
 
 
@@ -50,10 +51,13 @@ class EngineConfig:
     max_running_req: int = 32
     num_pages: int | None = None  # None: sized from a memory budget (see LLM)
     max_seq_len: int | None = None  # None: the model's context, at most 8192
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | torch | flashinfer | triton
     cuda_graph: bool = True
     overlap: bool | None = None  # schedule step N+1 while N runs; None: on for CUDA
     residual_dtype: str | None = None  # None: the compute dtype; "float32": a wider stream
+    # Triton matmul and attention whose rows do not depend on the batch: a request's tokens
+    # are then the same alone or batched, chunked or whole (needs Triton, on CUDA)
+    batch_invariant: bool = False
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0
 
@@ -72,12 +76,19 @@ class EngineConfig:
             raise InvalidRequest(
                 f"cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}"
             )
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise InvalidRequest(f"unknown attention backend {self.attention_backend!r}")
-        for name in ("cuda_graph", "overlap"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequest(
+                f"unknown attention backend {self.attention_backend!r}; expected one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+        for name in ("cuda_graph", "overlap", "batch_invariant"):
             v = getattr(self, name)
             if not isinstance(v, bool) and not (name == "overlap" and v is None):
                 raise InvalidRequest(f"{name} must be a bool, got {v!r}")
+        if self.batch_invariant and self.attention_backend not in ("auto", "triton"):
+            raise InvalidRequest(
+                f"batch_invariant runs the triton attention backend, not {self.attention_backend!r}"
+            )
         if self.residual_dtype not in (None, "float32"):
             raise InvalidRequest(
                 f"residual_dtype must be None or float32, got {self.residual_dtype!r}"

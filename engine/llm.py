@@ -68,6 +68,7 @@ class EngineInfo:
     architecture: str
     overlap: bool
     residual_dtype: str
+    batch_invariant: bool
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +103,7 @@ class LLM:
         cuda_graph: bool = True,
         overlap: bool | None = None,
         residual_dtype: str | None = None,
+        batch_invariant: bool = False,
         load_format: str = "auto",
         seed: int = 0,
         progress: bool = True,
@@ -121,6 +123,7 @@ class LLM:
             cuda_graph=cuda_graph,
             overlap=overlap,
             residual_dtype=residual_dtype,
+            batch_invariant=batch_invariant,
             load_format=load_format,  # type: ignore[arg-type]
             seed=seed,
         )
@@ -137,6 +140,13 @@ class LLM:
         # overlap pays off where the device computes while the host schedules; on CPU the
         # host does both, so each step's tokens are read at once
         self.overlap = on_cuda if cfg.overlap is None else cfg.overlap
+        attention = cfg.attention_backend
+        if cfg.batch_invariant:
+            from engine.kernels import triton_unavailable
+
+            if (reason := triton_unavailable(self.device.type)) is not None:
+                raise InvalidRequest(f"batch_invariant needs the Triton kernels: {reason}")
+            attention = "triton"
 
         resolved = resolve(cfg.model, progress=progress)
         mcfg, _ = read_config(resolved.path)
@@ -157,6 +167,7 @@ class LLM:
 
         if cfg.residual_dtype is not None:
             self.model.residual_dtype = DTYPES[cfg.residual_dtype]
+        self.model.set_batch_invariant(cfg.batch_invariant)
         self.num_pages = cfg.num_pages or self._default_num_pages()
         # one spare page past the allocator's range: CUDA-graph padding rows write their KV there
         self.pool = KVPool(
@@ -175,7 +186,7 @@ class LLM:
         self.kv = KVManager(self.num_pages, page_size, self.table, cache)
         self.scheduler = Scheduler(self.kv)
         backend = create_backend(
-            cfg.attention_backend,
+            attention,
             self.device,
             self.pool,
             mcfg.num_heads,
@@ -210,6 +221,7 @@ class LLM:
             architecture=mcfg.architecture,
             overlap=self.overlap,
             residual_dtype=cfg.residual_dtype or dtype_name,
+            batch_invariant=cfg.batch_invariant,
         )
 
         self._lock = threading.Lock()

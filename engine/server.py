@@ -263,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the residual stream in float32 (default: the compute dtype)",
     )
     add(
+        "--batch-invariant",
+        action="store_true",
+        help="Triton kernels whose rows ignore the batch: the same tokens alone or batched, "
+        "chunked or whole (CUDA)",
+    )
+    add(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -319,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             max_extend_tokens=args.max_extend_tokens, policy=args.policy,
             page_size=args.page_size, cache_type=args.cache_type,
             cuda_graph=args.cuda_graph, overlap=args.overlap,
-            residual_dtype=args.residual_dtype,
+            residual_dtype=args.residual_dtype, batch_invariant=args.batch_invariant,
             max_running_req=args.max_running_req, num_pages=args.num_pages,
             max_seq_len=args.max_seq_len, progress=True,
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Choosing the attention backend: FlashInfer on CUDA when it imports, torch otherwise."""
+"""Choosing the attention backend: FlashInfer on CUDA when it imports, torch otherwise; the
+batch-invariant Triton backend when asked for by name."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.config import ATTENTION_BACKENDS
 from engine.kvcache.pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -15,8 +17,16 @@ log = logging.getLogger(__name__)
 def create_backend(
     name: str, device: torch.device, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> AttentionBackend:
-    if name not in ("auto", "torch", "flashinfer"):
+    if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}")
+    if name == "triton":
+        from engine.kernels import triton_unavailable
+
+        if (reason := triton_unavailable(device.type)) is not None:
+            raise RuntimeError(f"the triton backend is unavailable: {reason}")
+        from engine.attention.triton_backend import TritonAttention
+
+        return TritonAttention(pool, num_heads, num_kv_heads, head_dim)
     if name == "flashinfer" or (name == "auto" and device.type == "cuda"):
         reason = _flashinfer_unavailable(device)
         if reason is None:

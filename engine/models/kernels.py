@@ -1,11 +1,13 @@
-"""Which kernels a layer runs: FlashInfer's fused ones for half-precision CUDA tensors, plain
-torch everywhere else. FlashInfer is imported on the first CUDA call only, so the CPU path never
-touches it, and a missing or broken install falls back to torch with one logged reason."""
+"""Which kernels a layer runs: FlashInfer's fused ones for half-precision CUDA tensors, Triton's
+for a float32 residual stream on CUDA and for batch-invariant matmuls, plain torch everywhere
+else. FlashInfer and Triton are imported on first use only, so the CPU path never touches them,
+and a missing or broken install falls back to torch with one logged reason."""
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -30,3 +32,29 @@ def _flashinfer() -> ModuleType | None:
         log.warning("fused kernels off, plain torch instead: flashinfer does not import (%s)", e)
         return None
     return flashinfer
+
+
+def wide_norm(residual: torch.Tensor) -> ModuleType | None:
+    """engine.kernels.norm when a float32 residual stream on CUDA can use it, else None."""
+    if not residual.is_cuda or residual.dtype != torch.float32:
+        return None
+    return _triton_norm()
+
+
+@functools.cache
+def _triton_norm() -> ModuleType | None:
+    try:
+        from engine.kernels import norm
+    except Exception as e:  # as for FlashInfer: anything a broken install raises
+        log.warning("float32 residual norms unfused: Triton does not import (%s)", e)
+        return None
+    return norm
+
+
+@functools.cache
+def invariant_linear() -> Callable[..., torch.Tensor]:
+    """The batch-invariant matmul (engine.kernels.matmul.linear); the engine checked that Triton
+    runs before it turned batch invariance on."""
+    from engine.kernels.matmul import linear
+
+    return linear

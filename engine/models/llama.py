@@ -12,11 +12,23 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.kernels import fused_kernels
+from engine.models.kernels import fused_kernels, invariant_linear, wide_norm
 from engine.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from engine.attention.base import AttentionBackend
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul is the batch-invariant Triton kernel when `batch_invariant` is set
+    (CausalLM.set_batch_invariant): each row's result then ignores how many rows came with it."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_linear()(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +44,8 @@ class RMSNorm(nn.Module):
             return fi.rmsnorm(x, self.weight, self.eps)
         dtype = self.weight.dtype  # the compute type, also for a float32 residual stream
         wide = x.dtype != dtype
+        if wide and (tk := wide_norm(x)) is not None:
+            return tk.add_rmsnorm(None, x, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if wide:  # from a float32 residual stream: scale in float32, round once
@@ -48,6 +62,8 @@ class RMSNorm(nn.Module):
         if fi is not None and residual.dtype == x.dtype:
             fi.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual
+        if (tk := wide_norm(residual)) is not None:  # in place, as the fused kernel above
+            return tk.add_rmsnorm(x, residual, self.weight, self.eps), residual
         residual = x + residual
         return self(residual), residual
 
@@ -63,8 +79,8 @@ class Attention(nn.Module):
         )
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -91,8 +107,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -150,7 +166,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
@@ -174,6 +190,11 @@ class CausalLM(nn.Module):
         if h is None or residual is None:  # no layers
             return self.model.norm(residual if h is None else h)
         return self.model.norm.add_forward(h, residual)[0]
+
+    def set_batch_invariant(self, on: bool) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.batch_invariant = on
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
