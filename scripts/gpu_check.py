@@ -420,7 +420,16 @@ def sec_warmup(r: Report) -> None:
 def sec_pytest(r: Report) -> None:
     t = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_gpu.py",
+            "tests/test_batch_invariant.py",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -474,6 +483,7 @@ LOGITS_HEADERS = [
     "FlashInfer + graphs vs HF bf16",
     "torch attention vs HF fp32",
     "FlashInfer + graphs, float32 residual, vs HF fp32",
+    "batch-invariant, float32 residual, vs HF fp32",
     "HF bf16 vs HF fp32 (yardstick)",
 ]
 
@@ -499,12 +509,19 @@ def logits_table_rows(
     wres = logits_rows(wide, {"fp32": hf32}, prompts)
     del wide
     free()
+    inv = make(residual_dtype="float32", batch_invariant=True)
+    ires = logits_rows(inv, {"fp32": hf32}, prompts)
+    del inv
+    free()
     yard = logits_rows_hf(hf16, hf32, prompts, vocab)
     rows = [
-        [name, k, res[f"fp32 {k}"], res[f"bf16 {k}"], tres[f"fp32 {k}"], wres[f"fp32 {k}"], yard[k]]
+        [name, k]
+        + [res[f"fp32 {k}"], res[f"bf16 {k}"], tres[f"fp32 {k}"], wres[f"fp32 {k}"]]
+        + [ires[f"fp32 {k}"], yard[k]]
         for k in ("prefill", "decode")
     ]
-    return rows, {"flashinfer": res, "torch": tres, "wide": wres, "hf_bf16_vs_fp32": yard}
+    raw = {"flashinfer": res, "torch": tres, "wide": wres, "invariant": ires}
+    return rows, {**raw, "hf_bf16_vs_fp32": yard}
 
 
 def sec_logits(r: Report) -> None:
@@ -617,6 +634,10 @@ def sec_chunked(r: Report) -> None:
     rows += chunk_rows(wide_res, prompts, "Qwen3-0.6B shape, random, float32 residual")
     del wide_res
     free()
+    inv = qwen_engine(max_running_req=32, num_pages=65536, cache_type="naive", batch_invariant=True)
+    rows += chunk_rows(inv, prompts, "Qwen3-0.6B shape, random, batch-invariant")
+    del inv
+    free()
     r.data["chunked"] = rows
     r.table(
         f"Chunked against unchunked prefill (budget 8192), greedy, first 32 tokens of "
@@ -724,6 +745,16 @@ def sec_bench(r: Report) -> None:
             "page 1, graphs, overlap",
             lambda: qwen_engine(**{**page16, "page_size": 1, "num_pages": 256 * 680}),
             (64,),
+        ),
+        (
+            "page 16, graphs, overlap, float32 residual",
+            lambda: qwen_engine(**{**page16, "residual_dtype": "float32"}),
+            (1, 64),
+        ),
+        (
+            "batch-invariant (Triton), page 16, graphs, overlap",
+            lambda: qwen_engine(**{**page16, "batch_invariant": True}),
+            (1, 64),
         ),
     ]
     for name, make, batches in variants:
@@ -1193,6 +1224,14 @@ def sec_smollm2(r: Report) -> None:
     crow += chunk_rows(wide_res, prompts, "SmolLM2-135M-Instruct, float32 residual")
     del wide_res
     free()
+    for kw, label in (
+        ({}, "batch-invariant"),
+        ({"residual_dtype": "float32"}, "batch-invariant, float32 residual"),
+    ):
+        inv = make(batch_invariant=True, **kw)
+        crow += chunk_rows(inv, prompts, f"SmolLM2-135M-Instruct, {label}")
+        del inv
+        free()
     hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     hf32 = hf32.to(DEV).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV).eval()
