@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import gc
 import json
 import logging
 import os
@@ -366,6 +367,9 @@ class Server:
 def build(llm: Any, args: argparse.Namespace) -> Server:
     """Recorder, trace, publisher, engine loop and command handler around `llm` (not attached)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    # the model, tokenizer and imports are hundreds of thousands of objects that live for good:
+    # out of the collector's sight, a full collection walks only what serving creates
+    gc.freeze()
     max_frame = 2**20
     recorder = Recorder(max_steps=args.history_steps, config=llm.config_dict())
     engine_facts = {**llm.info.to_dict(), "max_frame_bytes": max_frame,

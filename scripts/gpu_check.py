@@ -85,6 +85,7 @@ class Report:
         self.data: dict[str, Any] = {}
         self.bench_llm: LLM | None = None  # shared by bench, overhead and stall
         self.switch: Switch | None = None  # the one event hook those sections install
+        self.pytest_files: list[str] = []
         out.mkdir(parents=True, exist_ok=True)
 
     def elapsed(self) -> float:
@@ -1220,18 +1221,10 @@ def sec_smollm2(r: Report) -> None:
     logit_prompts = [*prompts[:3], llm.encode(question, chat=True)]
     del llm
     free()
-    wide_res = make(residual_dtype="float32")
-    crow += chunk_rows(wide_res, prompts, "SmolLM2-135M-Instruct, float32 residual")
-    del wide_res
+    inv = make(batch_invariant=True)
+    crow += chunk_rows(inv, prompts, "SmolLM2-135M-Instruct, batch-invariant")
+    del inv
     free()
-    for kw, label in (
-        ({}, "batch-invariant"),
-        ({"residual_dtype": "float32"}, "batch-invariant, float32 residual"),
-    ):
-        inv = make(batch_invariant=True, **kw)
-        crow += chunk_rows(inv, prompts, f"SmolLM2-135M-Instruct, {label}")
-        del inv
-        free()
     hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     hf32 = hf32.to(DEV).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV).eval()
@@ -1272,9 +1265,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/gpu")))
     ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "hf_static"))
     ap.add_argument("--hf-static-batches", default="64,1,16,256")
+    ap.add_argument(
+        "--pytest-files",
+        default="tests/test_gpu.py,tests/test_batch_invariant.py",
+        help="what the pytest section runs",
+    )
     ap.add_argument("--deadline-s", type=float, default=540.0, help="skip what would start later")
     args = ap.parse_args()
     r = Report(args.out, args.deadline_s)
+    r.pytest_files = args.pytest_files.split(",")
     wanted = args.sections.split(",")
     unknown = set(wanted) - set(SECTIONS)
     if unknown:
