@@ -86,6 +86,7 @@ class Report:
         self.bench_llm: LLM | None = None  # shared by bench, overhead and stall
         self.switch: Switch | None = None  # the one event hook those sections install
         self.pytest_files: list[str] = []
+        self.bench_quick = False
         out.mkdir(parents=True, exist_ok=True)
 
     def elapsed(self) -> float:
@@ -428,8 +429,7 @@ def sec_pytest(r: Report) -> None:
             "-q",
             "-p",
             "no:cacheprovider",
-            "tests/test_gpu.py",
-            "tests/test_batch_invariant.py",
+            *r.pytest_files,
         ],
         cwd=REPO,
         capture_output=True,
@@ -438,7 +438,7 @@ def sec_pytest(r: Report) -> None:
     )
     tail = proc.stdout.strip().splitlines()[-25:]
     r.data["pytest"] = {"rc": proc.returncode, "tail": tail, "s": time.perf_counter() - t}
-    r.say("\n### tests/test_gpu.py\n\n```\n" + "\n".join(tail) + "\n```\n")
+    r.say(f"\n### pytest {' '.join(r.pytest_files)}\n\n```\n" + "\n".join(tail) + "\n```\n")
     if proc.returncode != 0:
         print(proc.stderr[-3000:], flush=True)
 
@@ -753,11 +753,14 @@ def sec_bench(r: Report) -> None:
             (1, 64),
         ),
         (
-            "batch-invariant (Triton), page 16, graphs, overlap",
-            lambda: qwen_engine(**{**page16, "batch_invariant": True}),
+            "batch-invariant + float32 residual (Triton), page 16, graphs, overlap",
+            lambda: qwen_engine(**{**page16, "batch_invariant": True, "residual_dtype": "float32"}),
             (1, 64),
         ),
     ]
+    if r.bench_quick:  # the default path at two sizes, and the two precision options
+        variants = [(n, m, (1, 64)) for n, m, _ in variants if "no overlap" not in n]
+        variants = [v for v in variants if not v[0].startswith("page 1,")]
     for name, make, batches in variants:
         if r.left() < 60:
             r.say(f"(skipped bench variant {name}: out of time)")
@@ -1270,10 +1273,16 @@ def main() -> int:
         default="tests/test_gpu.py,tests/test_batch_invariant.py",
         help="what the pytest section runs",
     )
+    ap.add_argument(
+        "--bench-quick",
+        action="store_true",
+        help="bench: batches 1 and 64 of the default path and the precision options only",
+    )
     ap.add_argument("--deadline-s", type=float, default=540.0, help="skip what would start later")
     args = ap.parse_args()
     r = Report(args.out, args.deadline_s)
     r.pytest_files = args.pytest_files.split(",")
+    r.bench_quick = args.bench_quick
     wanted = args.sections.split(",")
     unknown = set(wanted) - set(SECTIONS)
     if unknown:
