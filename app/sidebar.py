@@ -100,6 +100,7 @@ def connection_badge(link: EngineLink) -> None:
                 f"{engine.get('dtype', '?')}  \n{engine.get('num_pages', 0):,} pages × "
                 f"{engine.get('page_size', 1)} token · {engine.get('cache_type', 'prefix')} cache"
                 + (" · overlapped steps" if engine.get("overlap") else "")
+                + (" · batch-invariant" if engine.get("batch_invariant") else "")
             )
     elif status.state == "connecting":
         st.markdown(":orange[●] **connecting…**")
