@@ -109,6 +109,8 @@ def test_bad_engine_arguments(tiny_llama_dir, tmp_path) -> None:
         LLM(str(tiny_llama_dir), overlap="yes")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="cuda_graph must be a bool"):
         LLM(str(tiny_llama_dir), cuda_graph=1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="unknown attention backend 'fast'"):
+        LLM(str(tiny_llama_dir), attention_backend="fast")
     with pytest.raises(ModelNotFound, match=str(tmp_path / "nowhere")):
         LLM(str(tmp_path / "nowhere"))
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import socket
@@ -51,6 +52,17 @@ def test_a_missing_model_is_a_clear_error() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2 and "cannot start the engine" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_batch_invariant_without_cuda_is_a_clear_error() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # as CI: no GPU, so the Triton kernels cannot run
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.server", "--batch-invariant", "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2 and "cannot start the engine: batch_invariant" in out.stderr
     assert "Traceback" not in out.stderr
 
 
