@@ -12,7 +12,7 @@ from engine.kvcache.table import PageTable
 
 @dataclass(frozen=True, slots=True)
 class PageIndex:
-    """FlashInfer's view of a batch's pages: request i owns indices[indptr[i]:indptr[i+1]]."""
+    """A batch's pages, as FlashInfer and the Triton kernel read them."""
 
     indptr: torch.Tensor  # int32 [B + 1]
     indices: torch.Tensor  # int32 [pages]
