@@ -497,23 +497,21 @@ def logits_table_rows(
     prompts: list[list[int]],
     vocab: int,
 ) -> tuple[list[list[Any]], dict[str, Any]]:
-    """Engine (FlashInfer with graphs, and torch attention) against HF fp32 and bf16."""
-    fi = make()
-    res = logits_rows(fi, {"fp32": hf32, "bf16": hf16}, prompts)
-    del fi
-    free()
-    ref = make(attention_backend="torch", cuda_graph=False)
-    tres = logits_rows(ref, {"fp32": hf32}, prompts)
-    del ref
-    free()
-    wide = make(residual_dtype="float32")
-    wres = logits_rows(wide, {"fp32": hf32}, prompts)
-    del wide
-    free()
-    inv = make(residual_dtype="float32", batch_invariant=True)
-    ires = logits_rows(inv, {"fp32": hf32}, prompts)
-    del inv
-    free()
+    """The engine's variants (FlashInfer with graphs; torch attention; a float32 residual;
+    batch-invariant with a float32 residual) against HF fp32, the first also against HF bf16."""
+    variants: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+        "flashinfer": ({}, {"fp32": hf32, "bf16": hf16}),
+        "torch": ({"attention_backend": "torch", "cuda_graph": False}, {"fp32": hf32}),
+        "wide": ({"residual_dtype": "float32"}, {"fp32": hf32}),
+        "invariant": ({"residual_dtype": "float32", "batch_invariant": True}, {"fp32": hf32}),
+    }
+    raw: dict[str, Any] = {}
+    for key, (kw, refs) in variants.items():
+        llm = make(**kw)
+        raw[key] = logits_rows(llm, refs, prompts)
+        del llm
+        free()
+    res, tres, wres, ires = (raw[k] for k in variants)
     yard = logits_rows_hf(hf16, hf32, prompts, vocab)
     rows = [
         [name, k]
@@ -521,7 +519,6 @@ def logits_table_rows(
         + [ires[f"fp32 {k}"], yard[k]]
         for k in ("prefill", "decode")
     ]
-    raw = {"flashinfer": res, "torch": tres, "wide": wres, "invariant": ires}
     return rows, {**raw, "hf_bf16_vs_fp32": yard}
 
 
@@ -625,20 +622,15 @@ def sec_chunked(r: Report) -> None:
     rows += chunk_rows(wide, prompts, "wide random Qwen3 (4 layers)")
     del wide
     free()
-    qwen = qwen_engine(max_running_req=32, num_pages=65536, cache_type="naive")
-    rows += chunk_rows(qwen, prompts, "Qwen3-0.6B shape, random")
-    del qwen
-    free()
-    wide_res = qwen_engine(
-        max_running_req=32, num_pages=65536, cache_type="naive", residual_dtype="float32"
-    )
-    rows += chunk_rows(wide_res, prompts, "Qwen3-0.6B shape, random, float32 residual")
-    del wide_res
-    free()
-    inv = qwen_engine(max_running_req=32, num_pages=65536, cache_type="naive", batch_invariant=True)
-    rows += chunk_rows(inv, prompts, "Qwen3-0.6B shape, random, batch-invariant")
-    del inv
-    free()
+    for extra, label in (
+        ({}, ""),
+        ({"residual_dtype": "float32"}, ", float32 residual"),
+        ({"batch_invariant": True}, ", batch-invariant"),
+    ):
+        llm = qwen_engine(max_running_req=32, num_pages=65536, cache_type="naive", **extra)
+        rows += chunk_rows(llm, prompts, f"Qwen3-0.6B shape, random{label}")
+        del llm
+        free()
     r.data["chunked"] = rows
     r.table(
         f"Chunked against unchunked prefill (budget 8192), greedy, first 32 tokens of "
