@@ -140,13 +140,13 @@ class LLM:
         # overlap pays off where the device computes while the host schedules; on CPU the
         # host does both, so each step's tokens are read at once
         self.overlap = on_cuda if cfg.overlap is None else cfg.overlap
-        attention = cfg.attention_backend
-        if cfg.batch_invariant:
+        attention = "triton" if cfg.batch_invariant else cfg.attention_backend
+        if attention == "triton":
             from engine.kernels import triton_unavailable
 
             if (reason := triton_unavailable(self.device.type)) is not None:
-                raise InvalidRequest(f"batch_invariant needs the Triton kernels: {reason}")
-            attention = "triton"
+                what = "batch_invariant" if cfg.batch_invariant else "the triton attention backend"
+                raise InvalidRequest(f"{what} needs the Triton kernels: {reason}")
 
         resolved = resolve(cfg.model, progress=progress)
         mcfg, _ = read_config(resolved.path)

@@ -276,3 +276,10 @@ def test_without_cuda_or_interpreter_a_clear_error(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "need CUDA" in (triton_unavailable("cpu") or "")
     assert triton_unavailable("cuda") is None
+    if not CUDA:
+        from engine import LLM
+        from engine.errors import InvalidRequest
+
+        for kw in ({"batch_invariant": True}, {"attention_backend": "triton"}):
+            with pytest.raises(InvalidRequest, match="needs the Triton kernels: Triton kernels"):
+                LLM(model="smollm2", progress=False, **kw)
