@@ -3,7 +3,9 @@
 It folds every server message into an `EventStore` and sends commands for any thread. Browser
 tabs never talk to the engine themselves; they all read the one store this link feeds, so a
 page with ten tabs is still one protocol client. On reconnect the server's `hello` (with its
-history) is folded in like any other message, which redraws the past.
+history) is folded in like any other message, which redraws the past. When the store finds a
+gap in `seq` (the server dropped messages while this client was slow), the link reconnects at
+once: the new `hello` fills in what was missed, and the store counts the loss.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class EngineLink:
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
         self._status = LinkStatus(url, "connecting", None, False, 0, time.monotonic())
+        self.resyncs = 0  # reconnections made to fill a gap in the message stream
         self._thread = threading.Thread(
             target=lambda: asyncio.run(self._run()), name=f"stepscope-link {url}", daemon=True
         )
@@ -103,11 +106,15 @@ class EngineLink:
         self._stop = asyncio.Event()
         self._started.set()
         while not self._stop.is_set():
+            resync = False
             try:
                 async with connect(self.url, max_size=MAX_FRAME, open_timeout=5) as ws:
                     self._ws = ws
                     self._set_status("connected", None)
-                    await self._read(ws)
+                    resync = await self._read(ws)
+                if resync:
+                    self.resyncs += 1
+                    continue  # at once: the next hello fills the gap
                 self._set_status("unreachable", "The engine closed the connection.")
             except InvalidURI as exc:
                 self._set_status("unreachable", f"Not a WebSocket URL: {exc}")
@@ -120,14 +127,17 @@ class EngineLink:
             except TimeoutError:
                 pass
 
-    async def _read(self, ws: ClientConnection) -> None:
+    async def _read(self, ws: ClientConnection) -> bool:
+        """Fold messages until the connection ends; True if it was closed to resync."""
         async for raw in ws:
             try:
                 msg = json.loads(raw)
             except ValueError:
                 continue
-            if isinstance(msg, dict):
-                self.store.apply(msg)
+            if isinstance(msg, dict) and self.store.apply(msg):
+                await ws.close()  # messages were lost: reconnect for a fresh hello
+                return True
+        return False
 
     # ---- commands ----------------------------------------------------------------------------
 

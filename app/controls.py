@@ -70,11 +70,20 @@ def abort(uid: int) -> Command:
     return {"type": "abort", "uid": int(uid)}
 
 
-def describe_reply(reply: dict[str, Any] | None) -> tuple[bool, str]:
-    """(ok, text) for an engine reply, for a status line."""
+def kv_map() -> Command:
+    """Ask for the pool page by page (the engine's `kv_map` extension, docs/protocol.md)."""
+    return {"type": "kv_map"}
+
+
+def describe_reply(
+    reply: dict[str, Any] | None, command: dict[str, Any] | None = None
+) -> tuple[bool, str]:
+    """(ok, text) for an engine reply to `command`, for a status line."""
     if reply is None:
         return False, "No reply from the engine within 3 s (the command may still apply)."
     kind = reply.get("type")
+    if kind == "accepted" and (command or {}).get("type") == "abort":
+        return True, f"request {reply.get('uid')} aborted; its pages are returned"
     if kind == "accepted":
         return True, f"accepted as request {reply.get('uid')}"
     if kind == "config":

@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from instrumentation.fold import Stall, percentile
+from instrumentation.fold import stalls as fold_stalls
+
 Message = dict[str, Any]
 XMode = Literal["step", "time"]
 SAMPLING_KINDS = frozenset({"prefill", "decode"})
@@ -64,17 +67,6 @@ class Track:
     decode_steps: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Stall:
-    """Steps `[first, last]` (indices) in which request `uid`, already decoding, got no token."""
-
-    uid: int
-    first: int
-    last: int
-    seconds: float
-    ongoing: bool
-
-
 def tracks(steps: Sequence[Message]) -> dict[int, Track]:
     """Every request seen in `steps`, in order of first appearance."""
     out: dict[int, Track] = {}
@@ -89,7 +81,7 @@ def tracks(steps: Sequence[Message]) -> dict[int, Track]:
                 track.decode_steps.append(i)
             else:
                 track.chunks.append((i, kind, item["start"], item["end"]))
-            if kind in SAMPLING_KINDS:
+            if kind in SAMPLING_KINDS and not item.get("wasted"):
                 track.token_steps.append(i)
     return out
 
@@ -97,23 +89,11 @@ def tracks(steps: Sequence[Message]) -> dict[int, Track]:
 def stalls(
     steps: Sequence[Message], all_tracks: Mapping[int, Track], requests: Mapping[int, Message]
 ) -> list[Stall]:
-    """Gaps between a request's tokens that skipped steps; trailing ones while it still runs."""
-    if not steps:
-        return []
-    numbers = [s["step"] for s in steps]
-    out: list[Stall] = []
-    last = len(steps) - 1
-    for uid, track in all_tracks.items():
-        toks = track.token_steps
-        for a, b in zip(toks, toks[1:], strict=False):
-            if numbers[b] - numbers[a] > 1:
-                secs = steps[b]["t1"] - steps[a]["t1"]
-                out.append(Stall(uid, a + 1, b - 1, secs, ongoing=False))
-        state = requests.get(uid, {}).get("state")
-        if toks and toks[-1] < last and state == "running":
-            secs = steps[last]["t1"] - steps[toks[-1]]["t1"]
-            out.append(Stall(uid, toks[-1] + 1, last, secs, ongoing=True))
-    return out
+    """Gaps between a request's tokens that skipped steps; trailing ones while it still runs
+    (the shared fold's definition: instrumentation.fold.stalls)."""
+    running = [uid for uid in all_tracks if requests.get(uid, {}).get("state") == "running"]
+    sampled = {uid: t.token_steps for uid, t in all_tracks.items() if t.token_steps}
+    return fold_stalls(steps, running, sampled)
 
 
 def stalled_per_step(num_steps: int, all_stalls: Iterable[Stall]) -> np.ndarray:
@@ -165,8 +145,7 @@ class Headline:
 
 
 def _pct(values: Sequence[float] | np.ndarray, q: float) -> float | None:
-    arr = np.asarray(values, dtype=np.float64)
-    return float(np.percentile(arr, q)) if arr.size else None
+    return percentile([float(v) for v in values], q)
 
 
 def headline(

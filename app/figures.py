@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
+from app import aggregate
 from app.derive import (
     Message,
     StepAxis,
@@ -48,6 +49,7 @@ PHASE_COLORS = {"prefill": "#dce9f7", "decode": "#e2f2dc", "mixed": "#efe4f5"}
 PHASE_CODES = {"prefill": 0, "decode": 1, "mixed": 2}
 KV_COLORS = {"used": "#4c78a8", "cached": "#9ecae9", "free": "#ececec"}
 WAIT_GREY = "#c7c7c7"
+WASTED_GREY = "#b0b0b0"  # work a step did for a request that ended while it ran
 # Past this many steps in view, one request's tokens in one step are thinner than a pixel, so
 # the batch chart draws per-step totals by kind instead of per-request segments.
 DETAIL_STEPS = 1_500
@@ -320,6 +322,8 @@ def batch_figure(
     """Batch composition per step: who got how many tokens, against the budget line."""
     if not steps:
         return empty_figure("No engine steps recorded yet: submit a prompt.")
+    if aggregate.any_aggregate(steps):  # an external source: counts, no requests
+        return aggregate.aggregate_figure(steps, x)
     axis = step_axis(steps, x)
     all_stalls = stalls(steps, tracks(steps), _requests_by_uid(requests))
     data, layout = _batch_parts(steps, axis, stalled_per_step(len(steps), all_stalls))
@@ -497,6 +501,8 @@ def timeline_figure(
     """Batch composition on top and request lanes below, sharing one x axis (zoom together)."""
     if not steps:
         return empty_figure("No engine steps recorded yet: submit a prompt.")
+    if aggregate.any_aggregate(steps):  # an external source: counts, no request lanes
+        return aggregate.aggregate_figure(steps, x)
     axis = step_axis(steps, x)
     all_stalls = stalls(steps, tracks(steps), _requests_by_uid(requests))
     batch, batch_layout = _batch_parts(steps, axis, stalled_per_step(len(steps), all_stalls))
@@ -532,6 +538,8 @@ def kv_figure(
     """
     if not steps:
         return empty_figure("No engine steps recorded yet.")
+    if aggregate.any_aggregate(steps):  # usage is all these sources say: no used/cached/free
+        return aggregate.aggregate_figure(steps, x)
     axis = step_axis(steps, x)
     xs = axis.t1 if x == "time" else axis.numbers
     data = []

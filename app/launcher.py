@@ -44,7 +44,7 @@ def engine_argv(port: int, model: str, extra: tuple[str, ...] = ()) -> list[str]
         "--model",
         model,
         "--device",
-        "cpu",
+        "auto",  # CUDA when there is a GPU: the engine picks where it is fastest
         *extra,
     ]
 

@@ -1,11 +1,16 @@
 """stepscope's dashboard: `streamlit run app/main.py`, then watch an engine schedule, step by step.
 
 The page is a thin protocol client (PROTOCOL.md): one background connection per app process
-(`engine_link`, a cached resource) feeds every browser tab; fragments redraw the live parts
-every second. If nothing answers at a local URL, the app starts `python -m engine.server`.
+(`engine_link`, a cached resource) feeds every browser tab. The charts are one custom component
+(app/live) that draws in the browser and receives only the steps it does not have yet, as often
+as the browser asks (up to 5 times a second); the rest of the page (metrics, tables, the KV page
+map) refreshes once a second. If nothing answers at a local URL, the app starts
+`python -m engine.server --device auto`.
 
 Environment: STEPSCOPE_URL (default ws://127.0.0.1:8765), STEPSCOPE_MODEL (default smollm2),
-STEPSCOPE_AUTOSTART (0 turns the auto-start off), STEPSCOPE_ENGINE_ARGS (extra server flags).
+STEPSCOPE_AUTOSTART (0 turns the auto-start off), STEPSCOPE_ENGINE_ARGS (extra server flags),
+STEPSCOPE_CHARTS (`classic`: the previous charts, rebuilt in Python every second; also
+`?charts=classic` in the page's URL).
 """
 
 from __future__ import annotations
@@ -22,15 +27,20 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import controls, panels, session, sidebar  # noqa: E402
+from app import controls, external, panels, replay_ui, session, sidebar, workloads  # noqa: E402
 from app.client import EngineLink, valid_url  # noqa: E402
+from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
+from app.live.component import LIVE_EVERY_S  # noqa: E402
 
 DEFAULT_URL = os.environ.get("STEPSCOPE_URL", "ws://127.0.0.1:8765")
 MODEL = os.environ.get("STEPSCOPE_MODEL", "smollm2")
 AUTOSTART = os.environ.get("STEPSCOPE_AUTOSTART", "1") != "0"
 ENGINE_ARGS = tuple(shlex.split(os.environ.get("STEPSCOPE_ENGINE_ARGS", "")))
+CHARTS = os.environ.get("STEPSCOPE_CHARTS", "live")
 REFRESH_S = sidebar.REFRESH_S
+# An external engine's OpenAI endpoint: `streamlit run app/main.py -- --openai-url URL` or env.
+OPENAI_URL = external.openai_url_from(sys.argv[1:], os.environ)
 
 
 @st.cache_resource(show_spinner=False)
@@ -46,7 +56,7 @@ def _close_link(link: EngineLink) -> None:
 @st.cache_resource(max_entries=1, on_release=_close_link, show_spinner=False)
 def engine_link(url: str) -> EngineLink:
     """The process's one connection; changing the URL releases (closes) the previous one."""
-    return EngineLink(url).start()
+    return EngineLink(url, store=PageMapStore()).start()
 
 
 def _stop_launcher(launcher: Launcher) -> None:
@@ -66,6 +76,18 @@ def _restart_engine(launcher: Launcher, url: str) -> None:
     launcher.restart(_argv(url))
 
 
+def classic_charts() -> bool:
+    """The previous page (figures rebuilt in Python and re-sent every second), kept to compare."""
+    return (st.query_params.get("charts") or CHARTS) == "classic"
+
+
+def page_mode(link: EngineLink) -> external.ExternalMode:
+    """Whether the engine is external (a watch) and what the page may send it."""
+    delta = link.store.delta(st.session_state.get("mode_cursor"), metrics=False)
+    st.session_state["mode_cursor"] = delta.cursor
+    return external.external_mode(delta.engine, OPENAI_URL)
+
+
 # ---- main area --------------------------------------------------------------------------------
 
 
@@ -73,6 +95,8 @@ def connection_panel(link: EngineLink, launcher: Launcher) -> None:
     """Loading progress, a lost engine, or a dead one, said plainly, with a way out."""
     url = link.url
     status = link.status()
+    if page_mode(link) != st.session_state.get("page_mode"):
+        st.rerun(scope="app")  # the engine turned out external (or not): redraw the controls
     proc = launcher.process
     if should_autostart(
         url, status.ever_connected, status.failed_attempts, AUTOSTART, proc is not None
@@ -112,22 +136,47 @@ def connection_panel(link: EngineLink, launcher: Launcher) -> None:
 
 
 def status_strip(link: EngineLink) -> None:
-    snap = session.view_snapshot(link)
+    snap = session.metrics_snapshot(link)
     panels.metrics_row(snap)
-    for run in st.session_state.get("preset_runs", [])[-2:]:
-        total = len(run.preset.actions)
-        line = f"Workload “{run.preset.title}”: {run.done_actions}/{total} steps sent"
-        if run.uids:
-            line += f" · requests {', '.join(map(str, run.uids))}"
-        if run.waiting_for:
-            line += f" · {run.waiting_for}"
-        done = run.finished and not run.errors
-        st.caption((":material/check_circle: " if done else ":material/play_circle: ") + line)
-        for err in run.errors:
-            st.error(f"Workload “{run.preset.title}”: {err}")
+    panels.delivery_notice(snap)
+    for run in st.session_state.get("preset_runs", [])[-3:]:
+        panels.run_line(run)
+    for posted in st.session_state.get("openai_submits", [])[-3:]:
+        if not posted.done:
+            st.caption(f":material/play_circle: sent to {posted.request.full_url}; waiting…")
+        elif posted.error:
+            st.error(f"{posted.request.full_url}: {posted.error}")
+        else:
+            st.caption(f":material/check_circle: {posted.request.full_url}: {posted.text[-200:]}")
 
 
-def prompt_form(link: EngineLink) -> None:
+def openai_submit(mode: external.ExternalMode, command: dict, copies: int) -> None:
+    """An external engine with an OpenAI endpoint: post the prompt there (a thread per copy)."""
+    assert mode.openai_url is not None
+    posts = st.session_state.setdefault("openai_submits", [])
+    for _ in range(copies):
+        request = external.openai_request(
+            mode.openai_url,
+            str(command["prompt"]),
+            int(command["max_tokens"]),
+            float(command.get("temperature") or 0.0),
+            bool(command.get("chat")),
+            mode.model,
+        )
+        posts.append(external.OpenAISubmit(request).start())
+    del posts[:-20]
+    session.notify(True, f"sent {copies} prompt(s) to {mode.openai_url} (OpenAI API)")
+
+
+def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
+    if not mode.can_submit:
+        st.info("Submitting prompts: " + mode.disabled_note(), icon=":material/block:")
+        return
+    if mode.external:
+        st.caption(
+            f"Prompts go to the engine's OpenAI endpoint {mode.openai_url} over HTTP; their steps "
+            "show here as the engine reports them."
+        )
     with st.form("prompt", border=True):
         text = st.text_area(
             "Prompt",
@@ -154,27 +203,21 @@ def prompt_form(link: EngineLink) -> None:
     except ValueError as exc:
         session.notify(False, str(exc))
         return
-    ids = []
-    for cmd in commands:
-        try:
-            ids.append(link.send(cmd))
-        except RuntimeError as exc:
-            session.notify(False, f"submit: {exc}")
-            return
-    uids, errors = [], []
-    for cid in ids:
-        ok, msg = controls.describe_reply(reply := link.store.wait_reply(cid, 3.0))
-        if ok and reply is not None:
-            uids.append(str(reply["uid"]))
-        else:
-            errors.append(msg)
-    if uids:
-        session.notify(True, f"submitted: request {', '.join(uids)}")
-    for msg in errors:
-        session.notify(False, f"submit: {msg}")
+    if mode.external:
+        openai_submit(mode, command, int(copies))
+        return
+    if link.status().state != "connected":
+        # The first minute: the engine is still loading. Hold the prompt and send it the moment
+        # the engine is up, rather than refusing it.
+        run = workloads.PresetRun(workloads.prompt_preset(commands)).start(link)
+        session.add_run(run)
+        session.notify(True, "The engine is starting: your prompt is held and sent once it is up.")
+        return
+    session.submit_now(link, commands)
 
 
 def notices_line() -> None:
+    st.session_state.pop("notice_unshown", None)  # shown here, in this run
     for ok, text in st.session_state.pop("unshown_toasts", []):
         st.toast(text, icon=":material/check_circle:" if ok else ":material/error:")
     items = session.notices()
@@ -184,9 +227,10 @@ def notices_line() -> None:
     (st.success if last.ok else st.error)(last.text)
 
 
-def views(link: EngineLink, launcher: Launcher) -> None:
+def classic_views(link: EngineLink) -> None:
+    """The previous page: every figure rebuilt in Python and re-sent each second."""
+    session.show_notices_now()
     snap = session.view_snapshot(link)
-    connection_panel(link, launcher)
     if link.status().state != "connected" and not snap.steps:
         return  # the loading progress above is the page until the engine is up
     tabs = st.tabs(["Timeline", "KV cache", "Latency", "Requests"], key="tab", on_change="rerun")
@@ -209,6 +253,59 @@ def views(link: EngineLink, launcher: Launcher) -> None:
             panels.requests_view(link, snap)
 
 
+def external_area(link: EngineLink) -> None:
+    """An external engine's aggregate steps (the live charts draw per-request items)."""
+    panels.external_charts(session.view_snapshot(link))
+
+
+def ranks_area(link: EngineLink) -> None:
+    """Each tensor-parallel rank's step time, when the engine's steps carry ranks."""
+    snap = session.view_snapshot(link, cap=panels.LATENCY_STEPS)
+    panels.ranks_view(snap.steps, snap.engine)
+
+
+def live_area(link: EngineLink) -> None:
+    """The live charts: only the component's own pulls rerun this fragment."""
+    # Until the engine first answers, the loading progress above is the page: the charts stay
+    # hidden, but mounted, so their pulls find the engine the moment it is up.
+    panels.live_charts(link, hidden=not link.status().ever_connected)
+
+
+def top_panels(link: EngineLink, launcher: Launcher) -> None:
+    """Above the prompt form, once a second: the metrics strip, then the engine's loading
+    progress or a lost engine (which keep updating while the charts are paused)."""
+    status_strip(link)
+    connection_panel(link, launcher)
+
+
+def lower_panels(link: EngineLink, abort_note: str | None = None) -> None:
+    """Below the charts: the tensor-parallel ranks (when steps carry them) and the detail tabs."""
+    ranks_area(link)
+    detail_views(link, abort_note)
+
+
+def detail_views(link: EngineLink, abort_note: str | None = None) -> None:
+    """What the charts do not show, refreshed once a second while its tab is open."""
+    session.show_notices_now()  # an Abort clicked here reran only this fragment
+    tabs = st.tabs(
+        ["Output text", "KV page map", "Latency", "Requests"], key="detail_tab", on_change="rerun"
+    )
+    if tabs[0].open:
+        with tabs[0]:
+            panels.outputs_view(session.requests_snapshot(link))
+    if tabs[1].open:
+        with tabs[1]:
+            panels.page_map_view(link)
+    if tabs[2].open:
+        with tabs[2]:
+            panels.latency_view(session.view_snapshot(link, cap=panels.LATENCY_STEPS))
+    if tabs[3].open:
+        with tabs[3]:
+            panels.requests_view(
+                link, session.view_snapshot(link, cap=panels.LATENCY_STEPS), abort_note
+            )
+
+
 def main() -> None:
     st.set_page_config(page_title="stepscope", page_icon="🔭", layout="wide")
     target = engine_target()
@@ -216,25 +313,40 @@ def main() -> None:
     if st.session_state.get("url") != target.url:
         st.session_state["url"] = target.url
     problem = valid_url(target.url)
-    link = None if problem else engine_link(target.url)
+    replay = replay_ui.sidebar()  # an open recording stands in for the engine (app/replay_ui.py)
+    link = replay or (None if problem else engine_link(target.url))
     launcher = engine_launcher()
-    sidebar.render(link, target)
+    mode = page_mode(link) if link is not None else external.ExternalMode(False)
+    st.session_state["page_mode"] = mode
+    sidebar.render(link, target, mode)
 
     st.markdown("## :material/monitoring: stepscope")
     st.caption(
         "An LLM inference engine, step by step: which requests share each batch, where prompts "
         "are cut into chunks, how full the KV cache is, and when decoding stalls."
     )
+    replay_ui.main_controls()
     if link is None:
         st.error(problem or "No engine URL.")
         return
     every = REFRESH_S if session.is_live() else None
     if not session.is_live():
         st.info("Paused: the charts are frozen so you can zoom and hover. Switch Live back on.")
-    st.fragment(status_strip, run_every=every)(link)
-    prompt_form(link)
+    # Few fragments, each doing several views' work: every fragment run is a turn of the one
+    # script thread, which the live charts' pulls wait behind (issue 13: several updates a second)
+    st.fragment(top_panels, run_every=REFRESH_S)(link, launcher)
+    prompt_form(link, mode)
     notices_line()
-    st.fragment(views, run_every=every)(link, launcher)
+    replay_ui.panels()
+    if classic_charts():
+        st.fragment(classic_views, run_every=every)(link)
+        return
+    abort_note = ("Abort: " + mode.disabled_note()) if mode.external else None
+    if mode.external:
+        st.fragment(external_area, run_every=every)(link)
+    else:
+        st.fragment(live_area, run_every=LIVE_EVERY_S if session.is_live() else None)(link)
+    st.fragment(lower_panels, run_every=every)(link, abort_note)
 
 
 main()

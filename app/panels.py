@@ -1,8 +1,9 @@
-"""The page's live views: metric row, timeline, KV cache, latency and requests.
+"""The page's views: metric row, live charts, KV page map, latency and requests.
 
-Each function draws one view from a snapshot; `app/main.py` wraps them in fragments that rerun
-every second while live. Figures come from `app.figures` (pure) and are memoized per tab on the
-data's version, so an idle engine costs no rebuilds and a chart keeps its zoom.
+The live charts are the `app.live` component (drawn in the browser from new steps only); the
+other views draw from a bounded snapshot in fragments that rerun every second while their tab
+is open. Classic figures come from `app.figures` (pure) and are memoized per tab on the data's
+version, so an idle engine costs no rebuilds.
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app import controls, figures, session
-from app.client import EngineLink
+from app import aggregate, controls, figures, ranks, session
+from app.client import EngineLink, NotConnected
 from app.derive import headline, stalls, tracks
+from app.kvmap import PageMapStore
+from app.live.component import kv_page_map
+from app.live.component import live_charts as _live_charts
+from app.live.feed import ViewOptions
 from app.state import Message, Snapshot
+from app.workloads import PresetRun
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
+LATENCY_STEPS = 2_000  # the latency figures and the requests' stalls read at most this many steps
+PAGE_MAP_WAIT_S = 0.5
 
 TIMELINE_CAPTION = (
     "Each bar is one engine step, stacked by request (a request keeps its colour in every "
@@ -53,6 +61,13 @@ PROGRESS_CAPTION = (
     "got a token (the picture of Sarathi-Serve's generation stalls). Under mixed the line keeps "
     "climbing."
 )
+PAGE_MAP_CAPTION = (
+    "The KV pool as pages, one cell each, read from the engine while this tab is open: a "
+    "request's pages in its colour, **shared prefix pages** (prefix-cache hits, held by the "
+    "radix tree and used by this request) with a white diagonal, **cached** pages no request "
+    "holds (evictable), **free** pages grey, and pages promised to admitted requests but not "
+    "yet allocated outlined. Abort a request and its cells return within one update."
+)
 ITL_CAPTION = (
     "Time from each request's previous token to this one. **Red points** came after skipped "
     "steps: the request was running but left out of the batch (a stall). The tail of this is "
@@ -85,6 +100,9 @@ def _memo_key(snap: Snapshot, *extra: object) -> tuple:
 
 def metrics_row(snap: Snapshot) -> None:
     h = headline(snap.steps, snap.requests)
+    external = aggregate.any_aggregate(snap.steps)
+    if external:  # counts only: the engine's own rates, and no per-request facts
+        h = aggregate.headline(snap.steps, h)
     cols = st.columns(7)
     cols[0].metric("tokens / s", "–" if h.tokens_per_s is None else f"{h.tokens_per_s:.1f}",
                    help="Generated tokens per second over the last 10 s of engine time.")  # fmt: skip
@@ -100,7 +118,7 @@ def metrics_row(snap: Snapshot) -> None:
             delta_arrow="off",
             help=what,
         )
-    worst = "none" if h.worst_stall is None else _seconds(h.worst_stall)
+    worst = "–" if external else "none" if h.worst_stall is None else _seconds(h.worst_stall)
     cols[3].metric(
         "worst stall",
         worst,
@@ -124,10 +142,89 @@ def metrics_row(snap: Snapshot) -> None:
     cols[6].metric(
         "last step",
         "–" if last is None else f"#{last['step']}",
-        delta=None if last is None else f"{last['phase']} · budget {last['budget']}",
+        delta=None if last is None else _last_step_note(last),
         delta_color="off",
         delta_arrow="off",
     )
+
+
+def _last_step_note(last: Message) -> str:
+    """Phase and budget; an external source may not log the budget (then it is not shown)."""
+    budget = last.get("budget")
+    note = str(last.get("phase", "?")) + ("" if budget is None else f" · budget {budget}")
+    sample = last.get("sample_of_steps")
+    return note + (f" · sample of {sample} steps" if sample and sample > 1 else "")
+
+
+def delivery_notice(snap: Snapshot) -> None:
+    """Say when the record is not the whole truth: lost messages, or a new engine."""
+    seen = st.session_state.setdefault("restarts_seen", snap.restarts)
+    if snap.restarts > seen:
+        st.session_state["restarts_seen"] = snap.restarts
+        session.notify(False, "The engine restarted: the page now shows the new engine's record.")
+    if snap.lost:
+        st.warning(
+            f"{snap.lost:,} message(s) from the engine were lost while this page fell behind; "
+            f"it resynced from the engine's history ({snap.resyncs} time(s)), so the charts are "
+            "whole again, but events in the gaps may be missing from the trace.",
+            icon=":material/sync_problem:",
+        )
+
+
+def run_line(run: PresetRun) -> None:
+    """One workload (or held prompt) run: how far it got, and what it waits for."""
+    total = len(run.preset.actions)
+    line = f"{run.preset.title}: {run.done_actions}/{total} steps sent"
+    if run.uids:
+        line += f" · requests {', '.join(map(str, run.uids))}"
+    if run.waiting_for:
+        line += f" · {run.waiting_for}"
+    done = run.finished and not run.errors
+    st.caption((":material/check_circle: " if done else ":material/play_circle: ") + line)
+    for err in run.errors:
+        st.error(f"{run.preset.title}: {err}")
+
+
+# ---- live charts ------------------------------------------------------------------------------
+
+
+def _captions(policy: str | None) -> dict[str, str]:
+    return {
+        "timeline": TIMELINE_CAPTION + " " + POLICY_CAPTIONS.get(policy or "", ""),
+        "kv": KV_CAPTION,
+        "progress": PROGRESS_CAPTION,
+    }
+
+
+def live_charts(link: EngineLink, hidden: bool = False) -> None:
+    window = session.window_steps() or session.ALL_STEPS
+    opts = ViewOptions(
+        window=window, xmode=st.session_state.get("xmode", "step"), paused=not session.is_live()
+    )
+    _live_charts(link.store, "charts", opts, _captions, hidden=hidden)
+
+
+# ---- KV page map ------------------------------------------------------------------------------
+
+
+def page_map_view(link: EngineLink) -> None:
+    """Ask for the pool page by page (only while this tab is open) and draw the answer."""
+    st.caption(PAGE_MAP_CAPTION)
+    store = link.store
+    if not isinstance(store, PageMapStore):
+        st.info("This connection's store does not keep page maps.")
+        return
+    message = ""
+    if session.is_live():
+        try:
+            command_id = link.send(controls.kv_map())
+            store.wait_page_map(command_id, PAGE_MAP_WAIT_S)
+            refused = store.reply(command_id)  # an engine without the extension says so
+            if refused is not None and refused.get("type") == "error":
+                message = f"The engine sends no page map: {refused.get('message')}"
+        except NotConnected as exc:
+            message = f"No page map: {exc}"
+    kv_page_map("kvmap", None if message else store.page_map(), message)
 
 
 # ---- timeline ---------------------------------------------------------------------------------
@@ -135,7 +232,10 @@ def metrics_row(snap: Snapshot) -> None:
 
 def timeline_view(snap: Snapshot, policy: str | None) -> None:
     xmode = st.session_state.get("xmode", "step")
-    st.caption(TIMELINE_CAPTION + " " + POLICY_CAPTIONS.get(policy or "", ""))
+    if aggregate.any_aggregate(snap.steps):
+        st.caption(aggregate.NO_LANES_CAPTION)
+    else:
+        st.caption(TIMELINE_CAPTION + " " + POLICY_CAPTIONS.get(policy or "", ""))
     chart(
         "timeline",
         _memo_key(snap, xmode),
@@ -191,10 +291,13 @@ def kv_view(snap: Snapshot) -> None:
     pool = (
         f"Pool: {engine.get('num_pages', '?'):,} pages × {snap.page_size} token(s), "
         f"{engine.get('cache_type', 'prefix')} cache."
-        if engine
+        if engine.get("num_pages") is not None
         else ""
     )
-    st.caption(KV_CAPTION + " " + pool)
+    if aggregate.any_aggregate(snap.steps):
+        st.caption(aggregate.NO_LANES_CAPTION)  # the figure is the aggregate one: usage only
+    else:
+        st.caption(KV_CAPTION + " " + pool)
     whole = st.toggle(
         "Whole pool",
         key="kv_whole_pool",
@@ -211,6 +314,13 @@ def kv_view(snap: Snapshot) -> None:
 
 
 def latency_view(snap: Snapshot) -> None:
+    if aggregate.any_aggregate(snap.steps):
+        st.info(
+            "No per-request latencies: this source carries counts, not request ids, so token "
+            "times, TTFT, ITL and stalls are not known. The engine's logged throughput is in the "
+            "metric row."
+        )
+        return
     left, right = st.columns(2)
     with left:
         st.markdown("**Decode progress**")
@@ -230,10 +340,16 @@ def latency_view(snap: Snapshot) -> None:
 
 
 def _abort(link: EngineLink, uid: int) -> None:
-    session.send(link, controls.abort(uid), f"abort request {uid}")
+    session.send(link, controls.abort(uid), f"abort request {uid}")  # v1.1 acknowledges it
 
 
-def requests_view(link: EngineLink, snap: Snapshot) -> None:
+def request_source(record: Message) -> str:
+    """Where a request came from: "http" (the OpenAI API), else the page's WebSocket."""
+    return str(record.get("source") or "ws/page")
+
+
+def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = None) -> None:
+    """The requests table; `abort_note` (an external engine's reason) disables Abort."""
     live = [r for r in snap.requests if r.get("state") in ("waiting", "running")]
     if live:
         st.markdown("**In flight**")
@@ -255,7 +371,8 @@ def requests_view(link: EngineLink, snap: Snapshot) -> None:
             key=f"abort-{uid}",
             on_click=_abort,
             args=(link, uid),
-            help=f"Send abort for request {uid}",
+            help=abort_note or f"Send abort for request {uid}",
+            disabled=abort_note is not None,
         )
     if not snap.requests:
         st.info("No requests yet.")
@@ -270,6 +387,7 @@ def requests_view(link: EngineLink, snap: Snapshot) -> None:
         rows.append(
             {
                 "uid": r["uid"],
+                "source": request_source(r),
                 "state": r.get("state"),
                 "prompt": r.get("prompt_len"),
                 "cached": r.get("cached_len"),
@@ -282,3 +400,44 @@ def requests_view(link: EngineLink, snap: Snapshot) -> None:
             }
         )
     st.dataframe(pd.DataFrame(rows), hide_index=True, height=min(600, 40 + 35 * len(rows)))
+
+
+# ---- external engines and tensor-parallel ranks -----------------------------------------------
+
+
+def external_charts(snap: Snapshot) -> None:
+    """An external engine's steps: aggregate composition, KV usage, queue, throughput."""
+    xmode = st.session_state.get("xmode", "step")
+    st.caption(aggregate.NO_LANES_CAPTION)
+    chart(
+        "aggregate",
+        _memo_key(snap, xmode),
+        lambda: aggregate.aggregate_figure(snap.steps, xmode),
+    )
+    if snap.kv_events:
+        st.markdown("**Prefix cache (KV events)**")
+        st.caption(aggregate.KV_EVENTS_CAPTION)
+        last = snap.kv_events[-1].get("kv_seq")
+        chart(
+            "kv_events",
+            _memo_key(snap, xmode, len(snap.kv_events), last),
+            lambda: aggregate.kv_events_figure(snap.kv_events, snap.steps, xmode),
+        )
+
+
+def ranks_view(steps: Sequence[Message], engine: dict | None) -> None:
+    """Each tensor-parallel rank's forward time per step (drawn only when steps carry ranks)."""
+    if not any(s.get("ranks") for s in steps):
+        return
+    tp = ranks.tp_caption(engine or {}) or "tensor parallel"
+    numbers, series = ranks.rank_series(steps)
+    slow = ranks.slowest_rank(series)
+    note = "" if slow is None else f" · slowest on average: rank {slow}"
+    st.markdown(f"**Ranks** ({tp}{note})")
+    st.caption(
+        "Forward time per rank per step (solid) and its all-reduce share (dotted): a rank whose "
+        "line sits above the others is a straggler every other rank waits for."
+    )
+    chart(
+        "ranks", (len(steps), numbers[-1] if numbers else None), lambda: ranks.ranks_figure(steps)
+    )

@@ -6,13 +6,17 @@ sidebar then shows the engine's config, so a change made elsewhere (a preset, an
 
 from __future__ import annotations
 
+import time
+
 import streamlit as st
 
 from app import controls, export, session, workloads
 from app.client import EngineLink
+from app.external import ExternalMode
 
 REFRESH_S = 1.0
 DEFAULT_BUDGET = 256
+STALE_S = 3.0  # how long a value from before a sync may still come back from the browser
 
 
 class Target:
@@ -37,33 +41,61 @@ def _apply_config(link: EngineLink, **fields: object) -> None:
         return
     reply = session.send(link, command, "set_config")
     if reply is not None and reply.get("type") == "config":
-        st.session_state["synced_config"] = {
+        synced = {
             "max_extend_tokens": reply.get("max_extend_tokens"),
             "policy": reply.get("policy"),
         }
+        st.session_state["synced_config"] = synced
+        # what this tab set, newest last: the store may still show an older one of them for a
+        # moment (it folds the broadcasts on another thread), which must not undo a newer press
+        mine = st.session_state.setdefault("own_configs", [])
+        mine.append((synced, time.monotonic()))
+        del mine[:-8]
+
+
+def _stale(field: str, value: object) -> bool:
+    """A value the controls showed before they were synced to the engine's config, sent back by
+    a rerun the browser started before the sync reached it (the live charts rerun their
+    fragment several times a second). It is not the user's choice: put the synced one back."""
+    old = st.session_state.get(f"stale_{field}")
+    if old is None or old[0] != value or time.monotonic() - old[1] > STALE_S:
+        return False
+    synced = st.session_state.get("synced_config") or {}
+    if field == "max_extend_tokens":
+        st.session_state["budget_exact"] = st.session_state["budget_slider"] = synced[field]
+    else:
+        st.session_state["policy"] = synced[field]
+    return True
 
 
 def _on_budget_slider(link: EngineLink) -> None:
     value = int(st.session_state["budget_slider"])
+    if _stale("max_extend_tokens", value):
+        return
     st.session_state["budget_exact"] = value
     _apply_config(link, max_extend_tokens=value)
 
 
 def _on_budget_exact(link: EngineLink) -> None:
     value = int(st.session_state["budget_exact"])
+    if _stale("max_extend_tokens", value):
+        return
     st.session_state["budget_slider"] = value
     _apply_config(link, max_extend_tokens=value)
 
 
 def _on_policy(link: EngineLink) -> None:
+    if _stale("policy", st.session_state["policy"]):
+        return
     _apply_config(link, policy=st.session_state["policy"])
 
 
 def _start_preset(link: EngineLink, preset: workloads.Preset) -> None:
-    runs = st.session_state.setdefault("preset_runs", [])
-    runs.append(workloads.PresetRun(preset).start(link))
-    del runs[:-3]
-    session.notify(True, f"workload “{preset.title}” started")
+    session.add_run(workloads.PresetRun(preset).start(link))
+    if link.status().state == "connected":
+        session.notify(True, f"workload “{preset.title}” started")
+    else:
+        session.notify(True, f"workload “{preset.title}” held: it starts once the engine is up")
 
 
 def _clear(link: EngineLink) -> None:
@@ -83,32 +115,75 @@ def _sync_controls(config: dict | None) -> None:
     ss.setdefault("budget_slider", ss["budget_exact"])
     ss.setdefault("policy", controls.POLICIES[0])
     if config and config.get("max_extend_tokens") and ss.get("synced_config") != config:
+        if _lagging(config):
+            return
         ss["synced_config"] = dict(config)
-        ss["budget_exact"] = ss["budget_slider"] = int(config["max_extend_tokens"])
+        now = time.monotonic()
+        budget = int(config["max_extend_tokens"])
+        if ss["budget_exact"] != budget:
+            ss["stale_max_extend_tokens"] = (ss["budget_exact"], now)
+        ss["budget_exact"] = ss["budget_slider"] = budget
         if config.get("policy") in controls.POLICIES:
+            if ss["policy"] != config["policy"]:
+                ss["stale_policy"] = (ss["policy"], now)
             ss["policy"] = config["policy"]
+
+
+def _lagging(config: dict) -> bool:
+    """The engine's config as the store shows it is one this tab set before its latest change,
+    and that change is recent: the store has not folded the newer broadcast yet."""
+    mine = st.session_state.get("own_configs") or []
+    if len(mine) < 2 or time.monotonic() - mine[-1][1] > STALE_S:
+        return False
+    shown = {"max_extend_tokens": config.get("max_extend_tokens"), "policy": config.get("policy")}
+    return any(shown == cfg for cfg, _ in mine[:-1]) and shown != mine[-1][0]
+
+
+def external_line(engine: dict) -> str:
+    """An external engine watched from its output: what is read, and what it says of itself."""
+    model = engine.get("model")
+    watch = engine.get("watch") or {}
+    counts = " · ".join(f"{watch[k]:,} {k}" for k in ("lines", "steps", "unreadable") if k in watch)
+    return (
+        f"external engine · **{engine.get('source', '?')}**"
+        + (f" · {model}" if model else "")
+        + (f"  \n{counts}" if counts else "")
+    )
+
+
+def engine_line(engine: dict) -> str:
+    """Where and how the engine runs: model, device, dtype, attention backend, pool, TP degree."""
+    if engine.get("external"):
+        return external_line(engine)
+    backend = engine.get("attention_backend")
+    tp = int(engine.get("tp_size") or 1)
+    return (
+        f"{engine.get('model', '?')} · **{engine.get('device', '?')}** · "
+        f"{engine.get('dtype', '?')}"
+        + (f" · **TP {tp}** (tensor parallel over {tp} ranks)" if tp > 1 else "")
+        + (f" · {backend} attention" if backend else "")
+        + f"  \n{engine.get('num_pages', 0):,} pages × "
+        f"{engine.get('page_size', 1)} token · {engine.get('cache_type', 'prefix')} cache"
+        + (" · overlapped steps" if engine.get("overlap") else "")
+        + (" · batch-invariant" if engine.get("batch_invariant") else "")
+    )
 
 
 def connection_badge(link: EngineLink) -> None:
     status = link.status()
-    engine = link.store.snapshot(last_steps=0).engine or {}
+    engine, _ = session.engine_facts(link)
     if status.state == "connected":
         st.markdown(":green[●] **connected**")
         if engine:
-            st.caption(
-                f"{engine.get('model', '?')} · {engine.get('device', '?')} · "
-                f"{engine.get('dtype', '?')}  \n{engine.get('num_pages', 0):,} pages × "
-                f"{engine.get('page_size', 1)} token · {engine.get('cache_type', 'prefix')} cache"
-                + (" · overlapped steps" if engine.get("overlap") else "")
-                + (" · batch-invariant" if engine.get("batch_invariant") else "")
-            )
+            st.caption(engine_line(engine))
     elif status.state == "connecting":
         st.markdown(":orange[●] **connecting…**")
     else:
         st.markdown(":red[●] **not connected**")
+        st.caption("Engine starting or unreachable: prompts and workloads are held until it is up.")
 
 
-def render(link: EngineLink | None, target: Target) -> None:
+def render(link: EngineLink | None, target: Target, mode: ExternalMode | None = None) -> None:
     with st.sidebar:
         st.subheader("Engine")
         st.text_input(
@@ -123,78 +198,98 @@ def render(link: EngineLink | None, target: Target) -> None:
         st.fragment(connection_badge, run_every=REFRESH_S * 2)(link)
 
         st.subheader("Scheduling")
-        _sync_controls(link.store.snapshot(last_steps=0).config)
-        left, right = st.columns([3, 1.3])
-        left.select_slider(
-            "max_extend_tokens",
-            options=controls.budget_options(st.session_state["budget_exact"]),
-            key="budget_slider",
-            on_change=_on_budget_slider,
-            args=(link,),
-            help="Prompt tokens per step (the chunk size). Applies from the next step.",
-        )
-        right.number_input(
-            "exact",
-            min_value=1,
-            step=1,
-            key="budget_exact",
-            on_change=_on_budget_exact,
-            args=(link,),
-            help="Any exact budget ≥ 1.",
-        )
-        st.radio(
-            "Policy",
-            controls.POLICIES,
-            format_func=controls.POLICY_LABELS.__getitem__,
-            key="policy",
-            on_change=_on_policy,
-            args=(link,),
-            captions=[
-                "one kind per step: decode waits while a prompt is chunked",
-                "decodes ride along in every step; prompts get the rest",
-            ],
+        config = session.engine_facts(link)[1]
+        if mode is not None and mode.external:
+            # A watched engine takes no commands: say so instead of showing dead controls.
+            st.caption("Budget and policy: " + mode.disabled_note())
+        elif not config and "synced_config" not in st.session_state:
+            # Until the engine says what it runs, controls would show made-up values (and send
+            # them): say why they are not there yet.
+            st.caption("Engine starting… the scheduling controls appear once it is connected.")
+        else:
+            _scheduling_controls(link, config)
+        _workloads_and_view(link, mode)
+
+
+def _scheduling_controls(link: EngineLink, config: dict | None) -> None:
+    _sync_controls(config)
+    left, right = st.columns([3, 1.3])
+    left.select_slider(
+        "max_extend_tokens",
+        options=controls.budget_options(st.session_state["budget_exact"]),
+        key="budget_slider",
+        on_change=_on_budget_slider,
+        args=(link,),
+        help="Prompt tokens per step (the chunk size). Applies from the next step.",
+    )
+    right.number_input(
+        "exact",
+        min_value=1,
+        step=1,
+        key="budget_exact",
+        on_change=_on_budget_exact,
+        args=(link,),
+        help="Any exact budget ≥ 1.",
+    )
+    st.radio(
+        "Policy",
+        controls.POLICIES,
+        format_func=controls.POLICY_LABELS.__getitem__,
+        key="policy",
+        on_change=_on_policy,
+        args=(link,),
+        captions=[
+            "one kind per step: decode waits while a prompt is chunked",
+            "decodes ride along in every step; prompts get the rest",
+        ],
+    )
+
+
+def _workloads_and_view(link: EngineLink, mode: ExternalMode | None = None) -> None:
+    st.subheader("Workloads")
+    external = mode is not None and mode.external
+    if external:
+        st.caption("Workloads: " + mode.disabled_note())  # type: ignore[union-attr]
+    for preset in workloads.PRESETS:
+        st.button(
+            preset.title,
+            key=f"preset-{preset.key}",
+            help=preset.help,
+            on_click=_start_preset,
+            args=(link, preset),
+            width="stretch",
+            disabled=external,
         )
 
-        st.subheader("Workloads")
-        for preset in workloads.PRESETS:
-            st.button(
-                preset.title,
-                key=f"preset-{preset.key}",
-                help=preset.help,
-                on_click=_start_preset,
-                args=(link, preset),
-                width="stretch",
-            )
+    st.subheader("View")
+    st.session_state.setdefault("live", True)
+    st.toggle(
+        "Live",
+        key="live",
+        on_change=session.freeze,
+        args=(link,),
+        help="Pause to freeze the charts: zoom and hover without updates undoing it.",
+    )
+    st.session_state.setdefault("window", session.DEFAULT_WINDOW)
+    st.select_slider("Steps in view", options=session.WINDOWS, key="window")
+    st.radio("x axis", ("step", "time"), key="xmode", horizontal=True)
 
-        st.subheader("View")
-        st.session_state.setdefault("live", True)
-        st.toggle(
-            "Live",
-            key="live",
-            on_change=session.freeze,
-            args=(link,),
-            help="Pause to freeze the charts: zoom and hover without updates undoing it.",
-        )
-        st.session_state.setdefault("window", session.DEFAULT_WINDOW)
-        st.select_slider("Steps in view", options=session.WINDOWS, key="window")
-        st.radio("x axis", ("step", "time"), key="xmode", horizontal=True)
-
-        st.subheader("Session")
-        st.button("Clear history", on_click=_clear, args=(link,), width="stretch")
-        left, right = st.columns(2)
-        left.download_button(
-            "Trace (JSONL)",
-            data=lambda: export.jsonl_bytes(link.store.log()),
-            file_name="stepscope-session.jsonl",
-            mime="application/jsonl",
-            on_click="ignore",
-            help="Every recorded protocol message, one JSON object a line.",
-        )
-        right.download_button(
-            "Chrome trace",
-            data=lambda: export.chrome_trace_bytes(link.store.log()),
-            file_name="stepscope-session.trace.json",
-            mime="application/json",
-            on_click="ignore",
-            help="Open in ui.perfetto.dev: one track per request, one of engine steps.",
-        )
+    st.subheader("Session")
+    st.button("Clear history", on_click=_clear, args=(link,), width="stretch")
+    left, right = st.columns(2)
+    left.download_button(
+        "Trace (JSONL)",
+        data=lambda: export.jsonl_bytes(link.store.log()),
+        file_name="stepscope-session.jsonl",
+        mime="application/jsonl",
+        on_click="ignore",
+        help="Every recorded protocol message, one JSON object a line.",
+    )
+    right.download_button(
+        "Chrome trace",
+        data=lambda: export.chrome_trace_bytes(link.store.log()),
+        file_name="stepscope-session.trace.json",
+        mime="application/json",
+        on_click="ignore",
+        help="Open in ui.perfetto.dev: one track per request, one of engine steps.",
+    )

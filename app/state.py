@@ -1,15 +1,21 @@
-"""The recorded-events store: folds protocol messages into steps, request records and a raw log.
+"""The recorded-events store: one engine connection's messages, folded by the shared fold
+(instrumentation.fold) into steps and request records, plus the replies and a raw log.
 
 One store per engine connection, written by the connection thread and read by every browser tab,
-so every method takes the lock and readers get copies (`Snapshot`), never live structures.
+so every method takes the lock and readers get copies (`Snapshot`, `Delta`), never live
+structures. The store also watches delivery (protocol v1.1): a jump in `seq` means messages
+were lost, and the store asks its link to resync (`needs_resync`), after which the new `hello`
+fills in what was missed; another `hello.engine.instance` is another engine (a restart).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from instrumentation.fold import ENDED_STATES, Fold
 
 Message = dict[str, Any]
 
@@ -17,7 +23,9 @@ MAX_STEPS = 20_000
 MAX_LOG = 200_000
 MAX_ENDED_REQUESTS = 2_000
 MAX_REPLIES = 500
-ENDED_STATES = frozenset({"finished", "aborted", "rejected"})
+MAX_KV_EVENTS = 5_000  # a watch's `kv_events` batches (the prefix cache as its engine reports it)
+# replies kept for `wait_reply`, by the id of the command they answer
+REPLY_TYPES = frozenset(("accepted", "error", "config", "kv_map", "stats"))
 
 
 @dataclass(frozen=True)
@@ -30,26 +38,31 @@ class Snapshot:
     config: dict[str, Any] | None
     version: int
     messages_seen: int = 0
+    lost: int = 0  # broadcasts lost in gaps (resynced since) on this engine instance
+    resyncs: int = 0
+    restarts: int = 0
+    # a watched engine's KV-event batches (`kv_events`, an extension), oldest first
+    kv_events: list[Message] = field(default_factory=list)
 
     @property
     def page_size(self) -> int:
         return int((self.engine or {}).get("page_size") or 1)
 
 
-def _new_record(uid: int) -> Message:
-    # The shape of a `hello.history.requests` record, so history and live events fold alike.
-    return {
-        "uid": uid,
-        "state": "waiting",
-        "prompt_len": None,
-        "cached_len": None,
-        "output_len": 0,
-        "max_tokens": None,
-        "t_queued": None,
-        "t_first_token": None,
-        "t_finished": None,
-        "text": "",
-    }
+@dataclass(frozen=True)
+class Delta:
+    """What changed since a cursor: the live charts append `steps` and update `requests`."""
+
+    cursor: int  # pass it back to the next `delta()`
+    reset: bool  # the history was replaced (resync or new engine): redraw from `steps`
+    steps: list[Message]  # step messages after the cursor, oldest first
+    requests: list[Message]  # request records changed since the cursor
+    engine: dict[str, Any] | None
+    config: dict[str, Any] | None
+    lost: int
+    resyncs: int
+    instance: str | None
+    restarted: bool  # an engine restart happened since the cursor
 
 
 class EventStore:
@@ -58,139 +71,206 @@ class EventStore:
     def __init__(self, max_steps: int = MAX_STEPS, max_log: int = MAX_LOG) -> None:
         self._lock = threading.Lock()
         self._replied = threading.Condition(self._lock)
-        self._steps: deque[Message] = deque(maxlen=max_steps)
+        self._fold = Fold(max_steps=max_steps, max_ended=MAX_ENDED_REQUESTS)
+        # the version at which each kept step was folded, for `delta`
+        self._step_versions: deque[int] = deque(maxlen=max_steps)
+        self._changed: OrderedDict[int, int] = OrderedDict()  # uid -> version, oldest first
         self._log: deque[Message] = deque(maxlen=max_log)
-        self._requests: dict[int, Message] = {}
+        self._kv_events: deque[Message] = deque(maxlen=MAX_KV_EVENTS)
         self._replies: OrderedDict[str, Message] = OrderedDict()
-        self._engine: dict[str, Any] | None = None
-        self._config: dict[str, Any] | None = None
         self._last_t = float("-inf")
         self._cleared_through_step = -1
         self._cleared_uids: set[int] = set()
         self._version = 0
+        self._reset_version = 0  # the version of the last history replacement
+        self._restart_version = -1
         self._seen = 0
+        self.resyncs = 0
+        self.restarts = 0
+        self._gap_pending = False
 
     # ---- writing (the connection thread) -------------------------------------------------
 
-    def apply(self, msg: Message) -> None:
-        """Fold one server message into the store."""
+    def apply(self, msg: Message) -> bool:
+        """Fold one server message; True when a gap was found and the link should resync."""
         kind = msg.get("type")
         with self._lock:
             self._seen += 1
-            if kind != "hello":
-                self._log.append(msg)
+            self._version += 1
             if kind == "hello":
                 self._apply_hello(msg)
-            elif kind == "step":
-                self._steps.append(msg)
-                self._last_t = max(self._last_t, float(msg.get("t1", self._last_t)))
-            elif kind == "request":
-                self._apply_request(msg)
-            elif kind == "token":
-                rec = self._record(int(msg["uid"]))
-                if rec["state"] not in ENDED_STATES:
-                    rec["text"] += str(msg.get("text", ""))
-                    rec["output_len"] = int(rec.get("output_len") or 0) + 1
-            elif kind == "config":
-                self._config = {
-                    "max_extend_tokens": msg.get("max_extend_tokens"),
-                    "policy": msg.get("policy"),
-                }
-            if kind in ("accepted", "error", "config") and msg.get("id") is not None:
+            else:
+                self._log.append(msg)
+                before = self._fold.num_steps
+                if self._fold.apply(msg) is not None:
+                    self._gap_pending = True  # keep folding; the resync's hello fills the gap
+                if self._fold.num_steps != before:
+                    self._step_versions.append(self._version)
+                    self._last_t = max(self._last_t, float(msg.get("t1", self._last_t)))
+                if kind in ("request", "token") and "uid" in msg:
+                    self._touch(int(msg["uid"]))
+                elif kind == "kv_events":
+                    self._kv_events.append(msg)
+            if kind in REPLY_TYPES and msg.get("id") is not None:
                 self._replies[str(msg["id"])] = msg
                 while len(self._replies) > MAX_REPLIES:
                     self._replies.popitem(last=False)
                 self._replied.notify_all()
-            self._version += 1
+            return self._gap_pending
+
+    @property
+    def needs_resync(self) -> bool:
+        with self._lock:
+            return self._gap_pending
+
+    def _touch(self, uid: int) -> None:
+        self._changed[uid] = self._version
+        self._changed.move_to_end(uid)
+        while len(self._changed) > 4 * MAX_ENDED_REQUESTS:
+            self._changed.popitem(last=False)
 
     def _apply_hello(self, msg: Message) -> None:
-        history = msg.get("history") or {}
-        steps = [s for s in history.get("steps") or [] if isinstance(s, dict)]
+        fold = self._fold
+        engine = msg.get("engine") or {}
         now = float(msg.get("now") or 0.0)
-        # An engine clock behind what we saw means a different (restarted) engine: start afresh.
-        if now < self._last_t:
+        instance = engine.get("instance")
+        if fold.instance is not None or instance is not None:
+            restarted = fold.engine is not None and instance != fold.instance
+        else:  # a v1.0 engine names no instance: a clock behind what we saw is another engine
+            restarted = now < self._last_t
+        if restarted:
             self._reset()
+            self.restarts += 1
+            self._restart_version = self._version
+            fold = self._fold
+        elif self._gap_pending:
+            self.resyncs += 1
+        self._gap_pending = False
         self._log.append(msg)
-        self._engine = dict(msg.get("engine") or {})
-        self._config = dict(msg.get("config") or {})
-        steps = [s for s in steps if int(s.get("step", -1)) > self._cleared_through_step]
-        if steps:
-            first = int(steps[0]["step"])
-            kept = [s for s in self._steps if int(s["step"]) < first]
-            self._steps.clear()
-            self._steps.extend(kept)
-            self._steps.extend(steps)
-            self._last_t = max(self._last_t, float(steps[-1].get("t1", 0.0)))
-        for rec in history.get("requests") or []:
-            if int(rec["uid"]) not in self._cleared_uids:
-                self._record(int(rec["uid"])).update(rec)
+        history = msg.get("history") or {}
+        steps = [
+            s
+            for s in history.get("steps") or []
+            if isinstance(s, dict) and int(s.get("step", -1)) > self._cleared_through_step
+        ]
+        rows = [r for r in history.get("requests") or [] if int(r["uid"]) not in self._cleared_uids]
+        # keep what this store has from before the server's shorter history
+        first = int(steps[0]["step"]) if steps else None
+        older = [s for s in fold.steps if first is None or int(s["step"]) < first]
+        ended = {r.uid: r for r in fold.requests() if r.ended}
+        lost, gaps = fold.lost, fold.gaps
+        fold.load_hello({**msg, "history": {"steps": [*older, *steps], "requests": rows}})
+        if not restarted:
+            fold.lost, fold.gaps = lost, gaps
+            for uid, rec in ended.items():  # ended requests the server no longer remembers
+                if fold.get(uid) is None:
+                    fold._remember_ended(rec)
+        self._step_versions.clear()
+        self._step_versions.extend([self._version] * len(fold.steps))
+        self._reset_version = self._version
+        for r in rows:
+            self._touch(int(r["uid"]))
+        if fold.steps:
+            self._last_t = max(self._last_t, float(fold.steps[-1].get("t1", 0.0)))
         self._last_t = max(self._last_t, now)
-
-    def _apply_request(self, msg: Message) -> None:
-        rec = self._record(int(msg["uid"]))
-        event, t = msg.get("event"), msg.get("t")
-        if event == "queued":
-            rec.update(state="waiting", t_queued=t, prompt_len=msg.get("prompt_len"))
-            rec["max_tokens"] = msg.get("max_tokens")
-        elif event == "admitted":
-            rec.update(state="running", cached_len=msg.get("cached_len"), t_admitted=t)
-        elif event == "first_token":
-            rec["t_first_token"] = t
-            if rec["state"] == "waiting":
-                rec["state"] = "running"
-        elif event in ENDED_STATES:
-            rec.update(state=event, t_finished=t)
-            for key in ("output_len", "finish_reason", "text", "message"):
-                if key in msg:
-                    rec[key] = msg[key]
-            self._trim_ended()
-
-    def _record(self, uid: int) -> Message:
-        rec = self._requests.get(uid)
-        if rec is None:
-            rec = self._requests[uid] = _new_record(uid)
-        return rec
-
-    def _trim_ended(self) -> None:
-        ended = [u for u, r in self._requests.items() if r["state"] in ENDED_STATES]
-        for uid in ended[: max(0, len(ended) - MAX_ENDED_REQUESTS)]:
-            del self._requests[uid]
+        kv = [m for m in history.get("kv_events") or [] if isinstance(m, dict)]
+        if kv:  # the watch's recent batches; keep ours from before them
+            first_kv = kv[0].get("kv_seq", -1)
+            older_kv = [m for m in self._kv_events if m.get("kv_seq", -1) < first_kv]
+            self._kv_events.clear()
+            self._kv_events.extend([*older_kv, *kv])
 
     def _reset(self) -> None:
-        self._steps.clear()
+        self._fold = Fold(max_steps=self._fold.steps.maxlen, max_ended=MAX_ENDED_REQUESTS)
+        self._step_versions.clear()
+        self._changed.clear()
         self._log.clear()
-        self._requests.clear()
+        self._kv_events.clear()
         self._last_t = float("-inf")
         self._cleared_through_step = -1
         self._cleared_uids.clear()
+        self.resyncs = 0
 
     def clear(self) -> None:
         """Forget recorded steps and ended requests; requests in flight keep their records."""
         with self._lock:
-            if self._steps:
-                self._cleared_through_step = int(self._steps[-1]["step"])
-            self._steps.clear()
+            fold = self._fold
+            if fold.steps:
+                self._cleared_through_step = int(fold.steps[-1]["step"])
+            fold.steps.clear()
+            self._step_versions.clear()
             self._log.clear()
-            for uid in [u for u, r in self._requests.items() if r["state"] in ENDED_STATES]:
-                del self._requests[uid]
-                self._cleared_uids.add(uid)
+            self._kv_events.clear()
+            for rec in fold.requests():
+                if rec.ended:
+                    self._cleared_uids.add(rec.uid)
+            fold._ended.clear()
+            fold._ended_bytes = 0
             self._version += 1
+            self._reset_version = self._version
 
     # ---- reading (any thread) ------------------------------------------------------------
 
     def snapshot(self, last_steps: int | None = None) -> Snapshot:
         with self._lock:
-            if last_steps is None or last_steps >= len(self._steps):
-                steps = list(self._steps)
+            fold = self._fold
+            n = len(fold.steps)
+            if last_steps is None or last_steps >= n:
+                steps = list(fold.steps)
+            elif last_steps <= 0:
+                steps = []
             else:
-                steps = list(self._steps)[-last_steps:]
+                steps = [fold.steps[i] for i in range(n - last_steps, n)]
+            requests = sorted(fold.requests(), key=lambda r: r.uid)
             return Snapshot(
                 steps=steps,
-                requests=[dict(r) for _, r in sorted(self._requests.items())],
-                engine=dict(self._engine) if self._engine is not None else None,
-                config=dict(self._config) if self._config is not None else None,
+                requests=[r.to_dict() for r in requests],
+                engine=dict(fold.engine) if fold.engine is not None else None,
+                config=dict(fold.config) if fold.config else None,
                 version=self._version,
                 messages_seen=self._seen,
+                lost=fold.lost,
+                resyncs=self.resyncs,
+                restarts=self.restarts,
+                kv_events=list(self._kv_events),
+            )
+
+    def delta(self, cursor: int | None, metrics: bool = True) -> Delta:
+        """What is new since `cursor` (None: everything kept). Work in proportion to what
+        changed, not to what is kept; `metrics=False` leaves the records' metrics and text out,
+        so a record costs the same however many tokens it has."""
+        with self._lock:
+            fold = self._fold
+            reset = cursor is None or cursor < self._reset_version
+            if reset:
+                steps = list(fold.steps)
+                uids = sorted(r.uid for r in fold.requests())
+            else:
+                k = 0
+                for v in reversed(self._step_versions):
+                    if v <= cursor:  # type: ignore[operator]
+                        break
+                    k += 1
+                n = len(fold.steps)
+                steps = [fold.steps[i] for i in range(n - k, n)]
+                uids = []
+                for uid in reversed(self._changed):
+                    if self._changed[uid] <= cursor:  # type: ignore[operator]
+                        break
+                    uids.append(uid)
+                uids.reverse()
+            records = [rec.to_dict(metrics) for uid in uids if (rec := fold.get(uid)) is not None]
+            return Delta(
+                cursor=self._version,
+                reset=reset,
+                steps=steps,
+                requests=records,
+                engine=dict(fold.engine) if fold.engine is not None else None,
+                config=dict(fold.config) if fold.config else None,
+                lost=fold.lost,
+                resyncs=self.resyncs,
+                instance=fold.instance,
+                restarted=cursor is not None and cursor < self._restart_version,
             )
 
     def log(self) -> list[Message]:
@@ -211,3 +291,6 @@ class EventStore:
     def reply(self, command_id: str) -> Message | None:
         with self._lock:
             return self._replies.get(command_id)
+
+
+__all__ = ["ENDED_STATES", "Delta", "EventStore", "Message", "Snapshot"]

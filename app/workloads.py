@@ -11,13 +11,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from app import controls
 from app.state import EventStore, Message
 
 _LIVE = frozenset({"waiting", "running"})
 _RUNS = itertools.count(1)
+ENGINE_WAIT_S = 900.0  # a first start converts the model; that can take minutes
 
 
 @dataclass(frozen=True)
@@ -167,10 +168,32 @@ PRESETS: tuple[Preset, ...] = (
 PRESETS_BY_KEY = {p.key: p for p in PRESETS}
 
 
+def prompt_preset(commands: list[Message]) -> Preset:
+    """The page's own prompt (and its copies) as a preset, so it can wait for the engine."""
+    first = commands[0]
+    return Preset(
+        "prompt",
+        "Your prompt" + (f" ×{len(commands)}" if len(commands) > 1 else ""),
+        first["prompt"][:80],
+        tuple(
+            Submit(
+                c["prompt"],
+                max_tokens=c["max_tokens"],
+                chat=c["chat"],
+                ignore_eos=c["ignore_eos"],
+                temperature=c["temperature"],
+            )
+            for c in commands
+        ),
+    )
+
+
 class Sender(Protocol):
     store: EventStore
 
     def request(self, command: Message, timeout: float = 3.0) -> Message | None: ...
+
+    def status(self) -> Any: ...  # `.state == "connected"` once the engine answers
 
 
 @dataclass
@@ -191,6 +214,7 @@ class PresetRun:
 
     def _play(self, link: Sender) -> None:
         try:
+            self._await_engine(link)
             for action in self.preset.actions:
                 if isinstance(action, AwaitTokens):
                     self._await(link.store, action)
@@ -212,12 +236,29 @@ class PresetRun:
         elif reply is not None and reply.get("type") == "accepted":
             self.uids.append(int(reply["uid"]))
 
+    def _await_engine(self, link: Sender) -> None:
+        """Before the engine is up (it may still be loading): wait, saying so, then send."""
+        if link.status().state == "connected":
+            return
+        self.waiting_for = "held until the engine is connected"
+        deadline = time.monotonic() + ENGINE_WAIT_S
+        while link.status().state != "connected":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not come up within {ENGINE_WAIT_S:.0f} s")
+            time.sleep(0.1)
+        self.waiting_for = None
+
     def _await(self, store: EventStore, action: AwaitTokens) -> None:
         self.waiting_for = f"waiting for {action.tokens} token(s) from each request"
         deadline = time.monotonic() + action.timeout_s
         mine = set(self.uids)
+        recs: dict[int, Message] = {}
+        cursor = None
         while time.monotonic() < deadline:
-            recs = {int(r["uid"]): r for r in store.snapshot(last_steps=0).requests}
+            # Only the records that changed since the last look: never the whole history.
+            delta = store.delta(cursor, metrics=False)
+            cursor = delta.cursor
+            recs.update((int(r["uid"]), r) for r in delta.requests if int(r["uid"]) in mine)
             if all(
                 (r := recs.get(uid)) is not None
                 and (r.get("output_len", 0) >= action.tokens or r.get("state") not in _LIVE)

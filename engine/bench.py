@@ -4,6 +4,11 @@
     python -m engine.bench --workload stall     # chats decoding when a long prompt arrives, both policies
     python -m engine.bench --workload step --model assets/tiny-llama --load-format dummy
                                                 # per-step engine overhead: decode steps at --batch
+    python -m engine.bench --workload sweep --budgets 32,128,512,2048 \
+        --policies prefill_first,mixed --out DIR [--trace-file CSV --rate R --duration S]
+                                                # one open-loop workload per (policy, budget):
+                                                # DIR/<policy>-<budget>.jsonl, summary.csv,
+                                                # tradeoff.html (engine.workload, instrumentation.sweep)
 
 Numbers and the commands that made them are recorded in docs/benchmarks.md.
 """
@@ -13,15 +18,19 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.config import check_policy
 from engine.errors import EngineError
 from engine.llm import LLM
 from engine.metrics import percentile
 from engine.sampling import SamplingParams
+from engine.workload import AZURE_CONV, Arrival, Scaling, describe, poisson, read_trace, replay
 
 TEXT = (
     "The harbour master kept a ledger of every boat that left at dawn and every boat that came "
@@ -262,25 +271,175 @@ def step_overhead(args: argparse.Namespace) -> None:
     print(_table(["ms / step (mean of 100)", "Python calls / step"], [[ms, f"{calls:,.0f}"]]))
 
 
-def main() -> None:
+# -- the sweep -------------------------------------------------------------------------------
+def sweep_workload(args: argparse.Namespace, max_seq_len: int) -> list[Arrival]:
+    """The sweep's requests: the trace file's arrivals and lengths, or Poisson arrivals at
+    `--rate` with lengths drawn from the Azure conversation trace; scaled (engine.workload)."""
+    scaling = Scaling(args.length_scale, args.max_prompt, args.max_output, max_seq_len)
+    if args.trace_file:
+        rows = read_trace(args.trace_file)
+        return replay(rows, scaling, args.rate, args.duration, args.trace_start, args.max_requests)
+    arrivals = poisson(args.rate or 1.0, args.duration, read_trace(AZURE_CONV), scaling, args.seed)
+    return arrivals[: args.max_requests] if args.max_requests else arrivals
+
+
+def sweep_prompts(arrivals: Sequence[Arrival], vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids, one distinct prompt per request: as the Azure traces say, only the
+    lengths matter for the timings (and no two prompts share a prefix)."""
+    rng = random.Random(seed)
+    lo = min(1000, vocab_size // 2)  # clear of the special tokens at the start of vocabularies
+    return [[rng.randrange(lo, vocab_size) for _ in range(a.prompt_len)] for a in arrivals]
+
+
+def run_arrivals(llm: LLM, arrivals: Sequence[Arrival], prompts: Sequence[list[int]]) -> float:
+    """Submit each request when its time comes (open loop) and step until all have finished;
+    returns the wall seconds. A request is queued at the step boundary after its arrival, as
+    a server queues what its socket received while a step ran."""
+    start = time.perf_counter()
+    i, n = 0, len(arrivals)
+    while i < n or llm.has_work():
+        now = time.perf_counter() - start
+        while i < n and arrivals[i].t <= now:
+            params = SamplingParams(max_tokens=arrivals[i].output_len, ignore_eos=True)
+            llm.submit(prompts[i], params)
+            i += 1
+        if llm.has_work():
+            llm.step()
+        elif i < n:
+            time.sleep(min(0.05, max(0.0, arrivals[i].t - now)))
+    return time.perf_counter() - start
+
+
+def sweep(args: argparse.Namespace) -> None:
+    from instrumentation.sweep import (
+        RunTrace,
+        format_table,
+        run_file,
+        summary_row,
+        write_figure,
+        write_summary,
+    )
+    from instrumentation.trace import read_jsonl
+
+    if not args.out:
+        raise EngineError("--workload sweep needs --out DIR")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budgets = sorted(set(args.budgets))
+    policies = list(dict.fromkeys(_flat(args.policies, str)))
+    for policy in policies:
+        check_policy(policy)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        load_format=args.load_format,
+        cache_type="naive",  # every run computes every prompt in full: no cross-run cache hits
+        max_running_req=args.max_running_req,
+        max_extend_tokens=budgets[0],
+        progress=False,
+    )
+    arrivals = sweep_workload(args, llm.max_seq_len)
+    if not arrivals:
+        raise EngineError("the workload has no requests: raise --rate or --duration")
+    prompts = sweep_prompts(arrivals, llm.model_config.vocab_size, args.seed)
+    source = args.trace_file or f"Poisson {args.rate or 1.0}/s, lengths from {AZURE_CONV.name}"
+    print(
+        f"sweep: {describe(arrivals)}\n  from {source}, lengths x{args.length_scale}; "
+        f"model {llm.info.model} ({args.load_format}), {llm.info.device}, {llm.info.dtype}",
+        flush=True,
+    )
+    # warm-up (not recorded): a long prompt in chunks and some decodes, under every budget
+    for b in budgets:
+        llm.set_config(max_extend_tokens=b)
+        llm.generate(
+            [prompts[0][: min(len(prompts[0]), 2 * b)]],
+            SamplingParams(max_tokens=4, ignore_eos=True),
+        )
+    rows = []
+    for budget in budgets:  # both policies back to back: a noisy machine hits them alike
+        for policy in policies:
+            llm.set_config(max_extend_tokens=budget, policy=policy)
+            path = out / run_file(policy, budget)
+            trace = RunTrace(path, llm.info.to_dict(), llm.config_dict(), llm.now())
+            llm.add_event_hook(trace)
+            try:
+                wall = run_arrivals(llm, arrivals, prompts)
+            finally:
+                llm._event_hooks.remove(trace)
+                trace.close()
+            row = summary_row(policy, budget, read_jsonl(path))
+            rows.append(row)
+            print(
+                f"  {policy:>13} budget {budget:>5}: {wall:6.1f} s, TTFT p50 "
+                f"{row.ttft_p50_s or 0:.3f} s, ITL p99 {row.itl_p99_s or 0:.3f} s -> {path}",
+                flush=True,
+            )
+    llm.check_integrity()
+    write_summary(out / "summary.csv", rows)
+    title = f"{llm.info.model} on {llm.info.device}: {len(arrivals)} requests, {source}"
+    try:
+        figures = write_figure(out, rows, title, png=args.png)
+    except ImportError:  # plotly is in the `app` extra; the traces and summary are written
+        figures = []
+        print(f"plotly is not installed: no figure; `python -m instrumentation.sweep {out}` "
+              "where it is draws it from the traces")  # fmt: skip
+    print("\n" + format_table(rows))
+    print("\nwrote " + ", ".join(str(p) for p in [out / "summary.csv", *figures]))
+
+
+def _flat(values: Sequence[str], kind: type = int) -> list[Any]:
+    """`--budgets 32,128 512` → [32, 128, 512]: commas and spaces both separate."""
+    return [kind(v) for value in values for v in str(value).split(",") if v]
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--workload", choices=["throughput", "stall", "step"], default="throughput")
+    ap.add_argument(
+        "--workload", choices=["throughput", "stall", "step", "sweep"], default="throughput"
+    )
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--budget", type=int, default=512, help="max_extend_tokens (throughput)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--budgets", type=int, nargs="+", default=[32, 128, 512], help="(stall)")
+    ap.add_argument(
+        "--budgets", nargs="+", default=["32,128,512"], help="(stall, sweep) e.g. 32,128,512,2048"
+    )
     ap.add_argument("--num-chats", type=int, default=8)
     ap.add_argument("--chat-tokens", type=int, default=96)
     ap.add_argument("--long-tokens", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=64, help="(step)")
-    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="(step)")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--load-format", choices=["auto", "dummy"], default="auto", help="(step, sweep)"
+    )
+    sw = ap.add_argument_group("sweep (engine.workload: arrivals and lengths, and their scaling)")
+    sw.add_argument("--policies", nargs="+", default=["prefill_first,mixed"])
+    sw.add_argument("--out", metavar="DIR", help="where the traces, summary.csv and figure go")
+    sw.add_argument("--trace-file", metavar="CSV", help="replay an Azure LLM trace's arrivals")
+    sw.add_argument(
+        "--rate", type=float, help="requests/s: Poisson rate, or the trace's clock rescaled to it"
+    )
+    sw.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    sw.add_argument("--trace-start", type=int, default=0, help="first trace row replayed")
+    sw.add_argument("--max-requests", type=int, help="at most this many requests")
+    sw.add_argument(
+        "--length-scale", type=float, default=1.0, help="multiply trace prompt/output lengths"
+    )
+    sw.add_argument("--max-prompt", type=int, help="clamp scaled prompt lengths")
+    sw.add_argument("--max-output", type=int, help="clamp scaled output lengths")
+    sw.add_argument("--max-running-req", type=int, default=32)
+    sw.add_argument("--seed", type=int, default=0, help="arrivals, lengths and prompt tokens")
+    sw.add_argument(
+        "--no-png", dest="png", action="store_false", help="skip tradeoff.png (needs a browser)"
+    )
+    args = ap.parse_args(argv)
+    args.budgets = _flat(args.budgets)
     try:
-        {"throughput": throughput, "stall": stall, "step": step_overhead}[args.workload](args)
+        {"throughput": throughput, "stall": stall, "step": step_overhead, "sweep": sweep}[
+            args.workload
+        ](args)
     except EngineError as e:  # a bad budget, model path, ...: say so, without a traceback
         ap.error(str(e))
 

@@ -60,6 +60,9 @@ class EngineConfig:
     batch_invariant: bool = False
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0
+    # ranks the model is split over (tensor parallelism, engine.distributed): one process and,
+    # on CUDA, one GPU each; the heads are dealt out by whole GQA groups, unevenly if need be
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda", "auto"):
@@ -95,3 +98,9 @@ class EngineConfig:
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise InvalidRequest(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not _is_int(self.tp_size) or self.tp_size < 1:
+            raise InvalidRequest(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        if self.tp_size > 1 and self.batch_invariant:
+            # an all-reduce's summation order depends on the message size (NCCL picks its
+            # algorithm by size), so a row's sum would depend on the batch again
+            raise InvalidRequest("batch_invariant needs tp_size=1: all-reduce sums are not")

@@ -67,7 +67,7 @@ class DecodeGraphs:
         self.io = torch.zeros(3 * self.max_batch, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.metas: dict[int, Any] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor | None] = {}  # None on tensor-parallel ranks > 0
         self._capture(device)
 
     @torch.inference_mode()
@@ -89,7 +89,10 @@ class DecodeGraphs:
                     self._forward(ids, pos, meta)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # under tensor parallelism NCCL's watchdog thread queries its events while this
+            # thread captures: only this thread's calls may break the capture
+            mode = "thread_local" if self.model.tp.size > 1 else "global"
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 self.logits[g] = self._forward(ids, pos, meta)
             self.graphs[g], self.metas[g] = graph, meta
         torch.cuda.synchronize(device)
@@ -98,9 +101,10 @@ class DecodeGraphs:
     def _views(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.io[:g], self.io[g : 2 * g], self.io[2 * g : 3 * g]
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor | None:
         hidden = self.model(ids, pos, self.backend, meta)
-        return self.model.logits(hidden).float()
+        logits = self.model.logits(hidden)  # gathered on rank 0 under tensor parallelism
+        return None if logits is None else logits.float()
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch
@@ -112,8 +116,9 @@ class DecodeGraphs:
         ids: list[int],
         slots: list[int],
         fill: Callable[[torch.Tensor], None] | None = None,
-    ) -> torch.Tensor:
-        """Logits [B, vocab] of one decode step: request i adds token ids[i] at position
+    ) -> torch.Tensor | None:
+        """Logits [B, vocab] of one decode step (None on tensor-parallel ranks > 0, which
+        replay the same graph for its collectives): request i adds token ids[i] at position
         lengths[i] - 1, whose KV goes to slot slots[i]. `fill` may then overwrite token ids
         in the input buffer on the device (ids the host does not know yet)."""
         n = len(rows)
@@ -133,4 +138,5 @@ class DecodeGraphs:
             fill(self.io)
         self.backend.plan_graph(self.metas[g], self.table, rows, lengths, self.pad_page)
         self.graphs[g].replay()
-        return self.logits[g][:n]
+        logits = self.logits[g]
+        return None if logits is None else logits[:n]

@@ -10,8 +10,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +20,7 @@ from engine.attention.registry import create_backend
 from engine.config import EngineConfig, LiveConfig, check_budget, check_policy
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequest, NotFound, TooLarge
-from engine.kvcache.manager import KVManager, pages_for
+from engine.kvcache.manager import KVManager, KVSnapshot, pages_for
 from engine.kvcache.naive import NaiveCache
 from engine.kvcache.pool import KVPool
 from engine.kvcache.prefix import PrefixCache
@@ -27,6 +28,7 @@ from engine.kvcache.radix import RadixCache
 from engine.kvcache.table import PageTable
 from engine.metrics import request_metrics
 from engine.models.loader import build_model, load_tokenizer, read_config, resolve
+from engine.models.parallel import SINGLE
 from engine.records import (
     EngineEvent,
     KVStats,
@@ -42,6 +44,9 @@ from engine.sampling import SamplingParams
 from engine.scheduler.batch import Batch
 from engine.scheduler.policy import POLICIES, SchedulePolicy
 from engine.scheduler.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from engine.distributed import Leader
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,7 @@ class EngineInfo:
     overlap: bool
     residual_dtype: str
     batch_invariant: bool
+    tp_size: int
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +82,8 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class _InFlight:
-    """A launched step whose tokens have not been applied yet."""
+    """A launched step whose tokens have not been applied yet. `kv` and `queue` are taken when
+    it was scheduled, so its record is the same whether or not steps overlap."""
 
     batch: Batch
     items: tuple[StepItem, ...]
@@ -84,6 +91,8 @@ class _InFlight:
     out: Launched
     live: LiveConfig
     t0: float
+    kv: KVStats
+    queue: QueueStats
 
 
 class LLM:
@@ -107,6 +116,7 @@ class LLM:
         load_format: str = "auto",
         seed: int = 0,
         progress: bool = True,
+        tp_size: int = 1,
     ) -> None:
         # validate everything cheap before the slow model load
         self._live = LiveConfig(max_extend_tokens, policy)
@@ -126,6 +136,7 @@ class LLM:
             batch_invariant=batch_invariant,
             load_format=load_format,  # type: ignore[arg-type]
             seed=seed,
+            tp_size=tp_size,
         )
         self.config = cfg
         self._t_start = time.monotonic()
@@ -154,6 +165,8 @@ class LLM:
         self.tokenizer = load_tokenizer(resolved.path, progress=progress)
         self.max_seq_len = cfg.max_seq_len or min(mcfg.max_position_embeddings, 8192)
         torch.manual_seed(cfg.seed)
+        # tensor parallelism: the other ranks load their shards while this one loads its own
+        self.leader = self._start_ranks(resolved.path, dtype_name, attention)
         self.model = build_model(
             resolved.path,
             mcfg,
@@ -163,18 +176,21 @@ class LLM:
             load_format=cfg.load_format,
             progress=progress,
             seed=cfg.seed,
+            tp=SINGLE if self.leader is None else self.leader.tp,
         )
 
         if cfg.residual_dtype is not None:
             self.model.residual_dtype = DTYPES[cfg.residual_dtype]
         self.model.set_batch_invariant(cfg.batch_invariant)
         self.num_pages = cfg.num_pages or self._default_num_pages()
+        if self.leader is not None:
+            self.leader.connect(self.num_pages)
         # one spare page past the allocator's range: CUDA-graph padding rows write their KV there
         self.pool = KVPool(
             mcfg.num_layers,
             self.num_pages + 1,
             page_size,
-            mcfg.num_kv_heads,
+            self.model.num_kv_heads,  # this rank's share under tensor parallelism
             mcfg.head_dim,
             self.dtype,
             self.device,
@@ -189,8 +205,8 @@ class LLM:
             attention,
             self.device,
             self.pool,
-            mcfg.num_heads,
-            mcfg.num_kv_heads,
+            self.model.num_heads,
+            self.model.num_kv_heads,
             mcfg.head_dim,
         )
         self.runner = ModelRunner(
@@ -201,6 +217,7 @@ class LLM:
             self.device,
             cuda_graph=cfg.cuda_graph,
             pad_page=self.num_pages,
+            leader=self.leader,
         )
         self._policies: dict[str, SchedulePolicy] = {n: p() for n, p in POLICIES.items()}
         eos = set(mcfg.eos_token_ids)
@@ -222,17 +239,21 @@ class LLM:
             overlap=self.overlap,
             residual_dtype=cfg.residual_dtype or dtype_name,
             batch_invariant=cfg.batch_invariant,
+            tp_size=cfg.tp_size,
         )
 
         self._lock = threading.Lock()
         self._work = threading.Event()  # set when a command arrives, for an idle loop to wake
         self._inbox: list[tuple[str, Any]] = []
+        self._inbox_submits = 0  # the submits in _inbox, so num_waiting() needs no scan
         self._uids = itertools.count()
         self._live_uids: set[int] = set()  # submitted and not yet ended
         self._aborting: set[int] = set()
         self._collect: dict[int, dict[str, Any] | None] = {}  # uids whose outputs generate() wants
         self._step_no = 0
         self._inflight: _InFlight | None = None  # with overlap: launched, tokens not yet read
+        # sampling their last token: pages and row already given back, final token not read yet
+        self._finishing: dict[int, Req] = {}
         self._step_hooks: list[Hook] = []
         self._event_hooks: list[Hook] = []
         self._wait_hooks: list[Callable[[], None]] = []
@@ -249,13 +270,22 @@ class LLM:
     def kv_stats(self) -> KVStats:
         return self.kv.stats(self.scheduler.reserved_tokens())
 
+    def kv_map(self) -> dict[str, Any]:
+        """The pool page by page, each page's owner named (engine thread, between steps)."""
+        sched = self.scheduler
+        owners = {r.table_idx: r.uid for r in sched.running + sched.finishing}
+        for p in sched.waiting:  # requests part-way through their chunks lead the queue
+            if p.chunked_req is None:
+                break
+            owners[p.chunked_req.table_idx] = p.uid
+        # `t`: when it was read, so a client can order it against the events it received
+        return {"t": self.now(), **self.kv.page_map(owners, sched.reserved_tokens()).to_dict()}
+
     def queue_stats(self) -> QueueStats:
         return QueueStats(self.scheduler.num_waiting, self.scheduler.num_running)
 
     def num_waiting(self) -> int:
-        with self._lock:
-            queued = sum(1 for kind, _ in self._inbox if kind == "submit")
-        return queued + self.scheduler.num_waiting
+        return self._inbox_submits + self.scheduler.num_waiting  # two counters: O(1)
 
     @property
     def in_flight(self) -> bool:
@@ -274,11 +304,21 @@ class LLM:
         return self.has_work()
 
     def check_integrity(self) -> None:
+        self.scheduler.check_counters()
         self.kv.check_integrity(self.scheduler.active_rows())
+
+    def integrity_snapshot(self) -> KVSnapshot:
+        """Engine thread, between steps: the counter checks (O(rows); raise AssertionError) and
+        a copy of the page accounting whose full check, `.check()`, may run on another thread."""
+        self.scheduler.check_counters()  # O(queue), which --max-waiting bounds
+        self.kv.check_counters()
+        return self.kv.snapshot(self.scheduler.active_rows())
 
     def _default_num_pages(self) -> int:
         m = self.model_config
-        per_token = KVPool.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        # this rank's KV heads: under tensor parallelism rank 0 holds the most
+        kv_heads = self.model.num_kv_heads
+        per_token = KVPool.bytes_per_token(m.num_layers, kv_heads, m.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.8)
@@ -286,6 +326,28 @@ class LLM:
             budget = CPU_KV_BYTES
         tokens = min(budget // per_token, self.config.max_running_req * self.max_seq_len)
         return max(tokens // self.page_size, pages_for(self.max_seq_len, self.page_size))
+
+    def _start_ranks(self, path: Path, dtype_name: str, attention: str) -> Leader | None:
+        """With tp_size > 1, start the worker ranks (engine.distributed); None otherwise."""
+        cfg = self.config
+        if cfg.tp_size == 1:
+            return None
+        from engine.distributed import start_leader
+
+        return start_leader(
+            model_path=path, mcfg=self.model_config, device=self.device, dtype=dtype_name,
+            max_positions=self.max_seq_len + self.page_size, load_format=cfg.load_format,
+            seed=cfg.seed, residual_dtype=cfg.residual_dtype, page_size=self.page_size,
+            max_running_req=cfg.max_running_req, max_seq_len=self.max_seq_len,
+            attention=attention, cuda_graph=cfg.cuda_graph, overlap=self.overlap,
+            tp_size=cfg.tp_size,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any; the engine cannot step after.
+        (A process that exits stops them too.)"""
+        if self.leader is not None:
+            self.leader.close()
 
     # -- hooks ---------------------------------------------------------------------------
     def add_step_hook(self, fn: Callable[[StepRecord], None]) -> None:
@@ -360,11 +422,17 @@ class LLM:
             )
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        source: str | None = None,
     ) -> int:
-        """Validate and queue one request; it enters the scheduler at the next step."""
+        """Validate and queue one request; it enters the scheduler at the next step. `source`
+        (e.g. "http") is carried into its `queued` event, to say where it came from."""
         ids, params = self._prepare(prompt, params, chat)
-        return self._enqueue(ids, params)
+        return self._enqueue(ids, params, source=source)
 
     def _prepare(
         self, prompt: Prompt, params: SamplingParams | None, chat: bool
@@ -376,13 +444,20 @@ class LLM:
         self.check_fits(len(ids), params.max_tokens)
         return ids, params
 
-    def _enqueue(self, ids: list[int], params: SamplingParams, collect: bool = False) -> int:
+    def _enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        collect: bool = False,
+        source: str | None = None,
+    ) -> int:
         with self._lock:
             uid = next(self._uids)
             self._live_uids.add(uid)
             if collect:
                 self._collect[uid] = None
-            self._inbox.append(("submit", (uid, ids, params)))
+            self._inbox.append(("submit", (uid, ids, params, source)))
+            self._inbox_submits += 1
         self._work.set()
         return uid
 
@@ -414,12 +489,12 @@ class LLM:
     # -- the engine loop (one thread) ----------------------------------------------------
     def _drain_inbox(self) -> list[EngineEvent]:
         with self._lock:
-            inbox, self._inbox = self._inbox, []
+            inbox, self._inbox, self._inbox_submits = self._inbox, [], 0
         events: list[EngineEvent] = []
         t = self.now()
         for kind, arg in inbox:
             if kind == "submit":
-                uid, ids, params = arg
+                uid, ids, params, source = arg
                 gen = None
                 if params.seed is not None:
                     gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -427,14 +502,15 @@ class LLM:
                     uid, ids, params, t, IncrementalDetokenizer(self.tokenizer), generator=gen
                 )
                 self.scheduler.add(state)
-                events.append(
-                    RequestEvent(
-                        uid, "queued", t, {"prompt_len": len(ids), "max_tokens": params.max_tokens}
-                    )
-                )
+                fields = {"prompt_len": len(ids), "max_tokens": params.max_tokens}
+                if source is not None:
+                    fields["source"] = source
+                events.append(RequestEvent(uid, "queued", t, fields))
             else:
                 uid = arg
                 state = self.scheduler.abort(uid)
+                if state is None and (req := self._finishing.pop(uid, None)) is not None:
+                    state = req.state  # its pages are back already; its last token is dropped
                 if state is not None:
                     state.aborted = True  # a step in flight must not give it a token
                     events.append(
@@ -449,6 +525,8 @@ class LLM:
         scheduled is launched and left running, and the one launched by the previous call is
         completed while it runs; the first call of a burst then returns None with work still
         in flight (`has_work()`)."""
+        if self.leader is not None:
+            self.leader.check()  # a dead rank ends the engine, even an idle one
         pre = self._drain_inbox()
         if not self.overlap:
             self._emit(pre)
@@ -461,19 +539,40 @@ class LLM:
             items = tuple(
                 StepItem(r.uid, batch.kind(r), r.cached_len, r.device_len) for r in batch.reqs
             )
+            # the pool and queue as this step left them: its batch admitted and allocated
+            kv, queue = self.kv_stats(), self.queue_stats()
             out = self.runner.launch(batch, prev.out if prev is not None else None)
-            self.scheduler.advance(batch)
-            launched = _InFlight(batch, items, scheduled.admitted, out, live, t0)
+            launched = _InFlight(batch, items, scheduled.admitted, out, live, t0, kv, queue)
         if not self.overlap:
-            return self._complete(launched) if launched is not None else None
+            if launched is None:
+                return None
+            self._advance(launched.batch)
+            return self._complete(launched)
         self._inflight = launched
         record = self._complete(prev) if prev is not None else None
+        # after the previous step's tokens are applied: every token this step was fed is known
+        # on the host, so a request sampling its last token can give its pages back now
+        if launched is not None:
+            self._advance(launched.batch)
         # this call's queued / aborted events follow the record of the step that was already
         # running when they were applied
         self._emit(pre)
         return record
 
-    def _complete(self, step: _InFlight) -> StepRecord | None:
+    def _advance(self, batch: Batch) -> None:
+        """A launched step's work counts as computed. A request that samples its last token in
+        it is retired at once (row and pages back, prompt cached), in both modes alike, so the
+        next step is scheduled from the same pool whether or not steps overlap."""
+        ended = [r for r in batch.reqs if r.state.aborted or r.state.finish_reason is not None]
+        if ended:  # an EOS read late, or an abort, while it ran: nothing of it goes on
+            gone = {r.uid for r in ended}
+            batch = Batch([r for r in batch.reqs if r.uid not in gone], batch.decode - gone)
+        self.scheduler.advance(batch)
+        for req in list(self.scheduler.finishing):
+            self.scheduler.retire(req)
+            self._finishing[req.uid] = req
+
+    def _complete(self, step: _InFlight) -> StepRecord:
         """Read a launched step's tokens and apply them: outputs, finishes, the step record and
         its events."""
         if self._wait_hooks and not step.out.done():
@@ -495,7 +594,7 @@ class LLM:
             st = req.state
             if st.aborted or st.finish_reason is not None:
                 # it ended while this step ran (aborted, or an EOS read one step late): the
-                # token is dropped, and so is the request from the record
+                # token is dropped, and its item is marked wasted
                 gone.add(req.uid)
                 continue
             req.append_token(tok, t1)
@@ -511,7 +610,8 @@ class LLM:
                 finished.append(req)
         for req in finished:
             st = req.state
-            self.scheduler.retire(req)
+            if self._finishing.pop(req.uid, None) is None:  # an EOS before its last token
+                self.scheduler.retire(req)
             req_events.append(
                 RequestEvent(
                     st.uid,
@@ -529,11 +629,8 @@ class LLM:
 
         items = step.items
         gone |= {r.uid for r in step.batch.reqs if r.state.aborted}  # chunks don't sample
-        if gone:
-            items = tuple(it for it in items if it.uid not in gone)
-            if not items:  # nothing in it reached a live request
-                self._emit(req_events)
-                return None
+        if gone:  # the device did this work; the record says it was thrown away
+            items = tuple(replace(it, wasted=True) if it.uid in gone else it for it in items)
         record = StepRecord(
             step=self._step_no,
             t0=step.t0,
@@ -542,8 +639,9 @@ class LLM:
             budget=step.live.max_extend_tokens,
             policy=step.live.policy,
             items=items,
-            kv=self.kv_stats(),
-            queue=self.queue_stats(),
+            kv=step.kv,
+            queue=step.queue,
+            ranks=step.out.rank_times(),
         )
         self._step_no += 1
         self._emit([record, *post, *req_events])

@@ -16,12 +16,14 @@ RequestEventKind = Literal["queued", "admitted", "first_token", "finished", "abo
 
 @dataclass(frozen=True, slots=True)
 class StepItem:
-    """One request's share of a step: tokens `[start, end)` were computed."""
+    """One request's share of a step: tokens `[start, end)` were computed. `wasted`: the request
+    ended (aborted, or an EOS read one step late) while the step ran, so the work was thrown away."""
 
     uid: int
     kind: ItemKind
     start: int
     end: int
+    wasted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +48,16 @@ class QueueStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RankTiming:
+    """One tensor-parallel rank's share of a step: seconds from its start of the step to its
+    result, and of those the seconds in collectives (None where not measured: on CUDA)."""
+
+    rank: int
+    forward_s: float | None
+    comm_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     step: int
     t0: float
@@ -56,10 +68,16 @@ class StepRecord:
     items: tuple[StepItem, ...]
     kv: KVStats
     queue: QueueStats
+    ranks: tuple[RankTiming, ...] | None = None  # tensor parallelism only
 
     @property
     def prompt_tokens(self) -> int:
         return sum(i.num_tokens for i in self.items if i.kind != "decode")
+
+    @property
+    def live_items(self) -> tuple[StepItem, ...]:
+        """The items whose work reached a request still running."""
+        return tuple(i for i in self.items if not i.wasted)
 
     @property
     def num_decodes(self) -> int:
@@ -75,9 +93,7 @@ class StepRecord:
             "budget": self.budget,
             "policy": self.policy,
             # hand-written: dataclasses.asdict deep-copies and costs ~40x more per step
-            "items": [
-                {"uid": i.uid, "kind": i.kind, "start": i.start, "end": i.end} for i in self.items
-            ],
+            "items": [_item_dict(i) for i in self.items],
             "kv": {
                 "total": self.kv.total,
                 "used": self.kv.used,
@@ -86,7 +102,19 @@ class StepRecord:
                 "reserved": self.kv.reserved,
             },
             "queue": {"waiting": self.queue.waiting, "running": self.queue.running},
+            **({} if self.ranks is None else {"ranks": [_rank_dict(r) for r in self.ranks]}),
         }
+
+
+def _rank_dict(r: RankTiming) -> dict[str, Any]:
+    return {"rank": r.rank, "forward_s": r.forward_s, "comm_s": r.comm_s}
+
+
+def _item_dict(i: StepItem) -> dict[str, Any]:
+    d: dict[str, Any] = {"uid": i.uid, "kind": i.kind, "start": i.start, "end": i.end}
+    if i.wasted:  # only then: most items are not, and every byte is sent to every client
+        d["wasted"] = True
+    return d
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,22 +9,33 @@ eagerly.
 asked, so the engine can schedule and launch the next step while this one runs (overlap). The
 next step's decode rows then take their input token straight from this step's sampled tokens on
 the device (`prev`), without a round trip through the host.
+
+Every step is first turned into a `StepPlan`: plain lists of ints that say what to compute. Rank 0
+builds it from the batch; under tensor parallelism (engine.distributed) it broadcasts the plan
+and every rank runs the same `execute` on it over its own shard. Only rank 0 samples.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kvcache.pool import KVPool
 from engine.kvcache.table import PageTable
+from engine.kvcache.table_sync import Span, TableSync, apply_updates
 from engine.models.llama import CausalLM
+from engine.records import RankTiming
 from engine.request import Req, RequestState
 from engine.sampling import sample_tokens
 from engine.scheduler.batch import Batch
+
+if TYPE_CHECKING:
+    from engine.distributed import Leader
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +51,36 @@ def token_ids(state: RequestState, start: int, end: int) -> list[int]:
     return prompt[start:] + out[: end - n]
 
 
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step as every rank runs it: request i computes tokens [starts[i], ends[i]) in page
+    table row rows[i]. Plain ints only, since rank 0 broadcasts it to the other ranks."""
+
+    seq: int  # launch number, which the ranks' timings are filed under
+    rows: list[int]
+    starts: list[int]
+    ends: list[int]
+    ids: list[int]  # token ids of every request's [start, end), flat; 0 where patched
+    patch_dst: list[int]  # positions in `ids` whose token the previous step is sampling ...
+    patch_src: list[int]  # ... and that token's row in the previous step's sampled tokens
+    sample: list[int]  # indices of the requests that sample (all but prompt chunks)
+    decode: bool  # a pure decode step: a CUDA graph may run it
+    # page-table entries the other ranks have not seen (engine.kvcache.table_sync)
+    spans: list[Span] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class Launched:
     """A launched step's sampled tokens: one per request that samples (`reqs`, in row order),
-    on the device, with a host copy under way on CUDA."""
+    on the device, with a host copy under way on CUDA. Under tensor parallelism `timing` gives
+    each rank's share of the step once it has run."""
 
     reqs: list[Req]
     tokens: torch.Tensor | None = None  # int64 [len(reqs)] on the device
     host: torch.Tensor | None = None  # pinned copy of `tokens`, valid once `ready` fires
     ready: torch.cuda.Event | None = None
+    timing: StepTiming | None = None
     _rows: dict[int, int] = field(default_factory=dict)
 
     def row_of(self, uid: int) -> int:
@@ -70,6 +102,65 @@ class Launched:
         assert self.host is not None
         return self.host.tolist()
 
+    def rank_times(self) -> tuple[RankTiming, ...] | None:
+        """Each rank's time for this step (tensor parallelism only; call after `result`)."""
+        return None if self.timing is None else self.timing.read()
+
+
+class RankClock:
+    """Times one rank's part of each step: wall time on CPU, where work runs as it is called
+    (and the collectives' share, `comm_s`); CUDA events on a GPU, read once the step ran."""
+
+    def __init__(self, model: CausalLM, device: torch.device) -> None:
+        self.tp, self.cuda = model.tp, device.type == "cuda"
+        self._t0 = 0.0
+        self._start: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self.tp.comm_s = 0.0
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> RankTimes:
+        if not self.cuda:
+            return RankTimes(time.perf_counter() - self._t0, self.tp.comm_s)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return RankTimes(None, None, self._start, end)
+
+
+@dataclass(frozen=True, slots=True)
+class RankTimes:
+    """One rank's step: seconds, or the CUDA events that will give them."""
+
+    forward_s: float | None
+    comm_s: float | None
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+
+    def seconds(self) -> tuple[float | None, float | None]:
+        """(forward_s, comm_s); waits for the end event on CUDA."""
+        if self.start is None or self.end is None:
+            return self.forward_s, self.comm_s
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000, None
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Rank 0's times of a step, and where the other ranks' are filed (engine.distributed)."""
+
+    seq: int
+    own: RankTimes
+    leader: Leader
+
+    def read(self) -> tuple[RankTiming, ...]:
+        forward_s, comm_s = self.own.seconds()
+        return (RankTiming(0, forward_s, comm_s), *self.leader.worker_times(self.seq))
+
 
 class ModelRunner:
     def __init__(
@@ -82,11 +173,17 @@ class ModelRunner:
         cuda_graph: bool = False,
         pad_page: int | None = None,
         max_graph_batch: int = 256,
+        leader: Leader | None = None,
     ) -> None:
         """`cuda_graph` asks for decode graphs; they need CUDA, a backend that can be captured
-        and `pad_page`, a pool page outside the allocator's range for the padding rows."""
+        and `pad_page`, a pool page outside the allocator's range for the padding rows.
+        `leader` is rank 0's handle on the other tensor-parallel ranks (None: one device)."""
         self.model, self.pool, self.table, self.backend = model, pool, table, backend
         self.device = device
+        self.leader = leader
+        self.clock = RankClock(model, device) if model.tp.size > 1 else None
+        self.sync = TableSync() if leader is not None else None  # the other ranks' tables
+        self._seq = 0
         self.graphs = None
         if cuda_graph and device.type == "cuda":
             from engine.cuda_graph import DecodeGraphs, GraphBackend
@@ -101,6 +198,7 @@ class ModelRunner:
                     model, backend, table, pad_page, pool.page_size, max_batch, device
                 )
 
+    # -- rank 0: from a batch to a plan -----------------------------------------------------
     def input_ids(
         self, reqs: list[Req], prev: Launched | None
     ) -> tuple[list[int], list[int], list[int]]:
@@ -124,48 +222,48 @@ class ModelRunner:
             ids.append(0)
         return ids, dst, src
 
-    def patch(
-        self, buf: torch.Tensor, dst: list[int], src: list[int], prev: Launched | None
-    ) -> None:
-        """buf[dst] = prev's tokens at rows src, on the device (ordered after prev's sampling)."""
-        if not dst:
-            return
-        assert prev is not None and prev.tokens is not None
-        idx = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
-        buf[idx[0]] = prev.tokens[idx[1]]
-
-    def layout(
-        self, batch: Batch, prev: Launched | None = None
-    ) -> tuple[BatchLayout, list[int], list[int], list[int], list[int]]:
-        ids, dst, src = self.input_ids(batch.reqs, prev)
-        positions: list[int] = []
-        rows: list[int] = []
-        for req in batch.reqs:
-            positions += range(req.cached_len, req.device_len)
-            rows += [req.table_idx] * req.extend_len
-        # one gather for the whole step rather than a slice per request
-        out_loc = self.table.slots[torch.tensor(rows), torch.tensor(positions)]
-        layout = BatchLayout(
-            rows=[r.table_idx for r in batch.reqs],
-            starts=[r.cached_len for r in batch.reqs],
-            ends=[r.device_len for r in batch.reqs],
-            out_loc=out_loc.to(self.device, non_blocking=True),
-            table=self.table,
+    def plan(self, batch: Batch, prev: Launched | None = None) -> StepPlan:
+        reqs = batch.reqs
+        ids, dst, src = self.input_ids(reqs, prev)
+        spans, slots = ([], []) if self.sync is None else self.sync.updates(reqs, self.table)
+        self._seq += 1
+        return StepPlan(
+            seq=self._seq,
+            rows=[r.table_idx for r in reqs],
+            starts=[r.cached_len for r in reqs],
+            ends=[r.device_len for r in reqs],
+            ids=ids,
+            patch_dst=dst,
+            patch_src=src,
+            sample=[i for i, r in enumerate(reqs) if batch.kind(r) != "chunk"],
+            decode=batch.phase == "decode",
+            spans=spans,
+            slots=slots,
         )
-        return layout, ids, positions, dst, src
 
     @torch.inference_mode()
     def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
         """Queue the step on the device and return without waiting for it. `prev` is the step
         launched before this one if its tokens have not been read yet."""
-        reqs = batch.reqs
-        if self.graphs is not None and batch.phase == "decode" and self.graphs.fits(len(reqs)):
-            logits = self._replay_decode(batch, prev)
-            sampling = reqs
-        else:
-            logits, sampling = self._run_eager(batch, prev)
-            if logits is None:
-                return Launched([])
+        plan = self.plan(batch, prev)
+        if self.leader is None:
+            logits = self.execute(plan, prev.tokens if prev is not None else None)
+            return self._sample(batch, plan, logits)
+        with self.leader.guard():
+            self.leader.publish(plan)
+            assert self.clock is not None
+            self.clock.start()
+            logits = self.execute(plan, prev.tokens if prev is not None else None)
+            out = self._sample(batch, plan, logits)
+            if out.tokens is not None:
+                self.leader.share_tokens(out.tokens)
+            out.timing = StepTiming(plan.seq, self.clock.stop(), self.leader)
+        return out
+
+    def _sample(self, batch: Batch, plan: StepPlan, logits: torch.Tensor | None) -> Launched:
+        if logits is None:
+            return Launched([])
+        sampling = [batch.reqs[i] for i in plan.sample]
         tokens = sample_tokens(
             logits, [r.state.params for r in sampling], [r.state.generator for r in sampling]
         )
@@ -177,35 +275,71 @@ class ModelRunner:
         ready.record()
         return Launched(sampling, tokens, host, ready)
 
-    def _replay_decode(self, batch: Batch, prev: Launched | None) -> torch.Tensor:
+    # -- every rank: run a plan ------------------------------------------------------------
+    def apply_table(self, plan: StepPlan) -> None:
+        """Write the plan's page-table entries into this rank's copy of the table (ranks > 0:
+        rank 0's scheduler owns the real one)."""
+        apply_updates(self.table, plan.spans, plan.slots)
+
+    def patch(
+        self, buf: torch.Tensor, dst: list[int], src: list[int], prev: torch.Tensor | None
+    ) -> None:
+        """buf[dst] = prev[src], on the device (ordered after prev's sampling)."""
+        if not dst:
+            return
+        assert prev is not None
+        idx = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
+        buf[idx[0]] = prev[idx[1]]
+
+    def layout(self, plan: StepPlan) -> tuple[BatchLayout, list[int]]:
+        positions: list[int] = []
+        rows: list[int] = []
+        for row, start, end in zip(plan.rows, plan.starts, plan.ends, strict=True):
+            positions += range(start, end)
+            rows += [row] * (end - start)
+        # one gather for the whole step rather than a slice per request
+        out_loc = self.table.slots[torch.tensor(rows), torch.tensor(positions)]
+        layout = BatchLayout(
+            rows=plan.rows,
+            starts=plan.starts,
+            ends=plan.ends,
+            out_loc=out_loc.to(self.device, non_blocking=True),
+            table=self.table,
+        )
+        return layout, positions
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the plan's forward: float32 logits of its sampling rows on rank 0, None on other
+        ranks and when nothing samples. `prev`: the sampled tokens of the step launched before,
+        if the plan patches some input ids from them."""
+        if self.graphs is not None and plan.decode and self.graphs.fits(len(plan.rows)):
+            return self._replay_decode(plan, prev)
+        return self._run_eager(plan, prev)
+
+    def _replay_decode(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
         assert self.graphs is not None
-        reqs = batch.reqs
-        rows = [r.table_idx for r in reqs]
-        starts = [r.cached_len for r in reqs]
-        ids, dst, src = self.input_ids(reqs, prev)
-        slots = self.table.slots[torch.tensor(rows), torch.tensor(starts)].tolist()
+        rows = torch.tensor(plan.rows)
+        slots = self.table.slots[rows, torch.tensor(plan.starts)].tolist()
         return self.graphs.replay(
-            rows,
-            [r.device_len for r in reqs],
-            ids,
+            plan.rows,
+            plan.ends,
+            plan.ids,
             slots,
-            fill=lambda io: self.patch(io, dst, src, prev),
+            fill=lambda io: self.patch(io, plan.patch_dst, plan.patch_src, prev),
         )
 
-    def _run_eager(
-        self, batch: Batch, prev: Launched | None
-    ) -> tuple[torch.Tensor | None, list[Req]]:
-        layout, ids, positions, dst, src = self.layout(batch, prev)
+    def _run_eager(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
+        layout, positions = self.layout(plan)
         meta = self.backend.prepare(layout)
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.patch(input_ids, dst, src, prev)
+        input_ids = torch.tensor(plan.ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.patch(input_ids, plan.patch_dst, plan.patch_src, prev)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, pos, self.backend, meta)
-        sampling = [i for i, r in enumerate(batch.reqs) if batch.kind(r) != "chunk"]
-        if not sampling:
-            return None, []
+        if not plan.sample:
+            return None
         qo = layout.qo_indptr
-        last = [qo[i + 1] - 1 for i in sampling]
+        last = [qo[i + 1] - 1 for i in plan.sample]
         rows = torch.tensor(last).to(self.device, non_blocking=True)  # no wait for the device
-        logits = self.model.logits(hidden[rows]).float()
-        return logits, [batch.reqs[i] for i in sampling]
+        logits = self.model.logits(hidden[rows])
+        return None if logits is None else logits.float()

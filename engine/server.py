@@ -22,9 +22,10 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import CACHE_TYPES, POLICY_NAMES
 from engine.errors import EngineError
@@ -32,6 +33,7 @@ from instrumentation import messages
 from instrumentation.commands import (
     Abort,
     CommandError,
+    KVMap,
     SetConfig,
     Stats,
     Submit,
@@ -40,6 +42,9 @@ from instrumentation.commands import (
 from instrumentation.publisher import Client, Publisher, PublisherConfig, is_loopback
 from instrumentation.recorder import Recorder
 from instrumentation.trace import TraceWriter
+
+if TYPE_CHECKING:
+    from instrumentation.openai_api import HttpApi
 
 log = logging.getLogger("stepscope.server")
 
@@ -168,12 +173,16 @@ class CommandHandler:
             if isinstance(cmd, Submit):
                 await self._submit(client, cmd)
             elif isinstance(cmd, Abort):
-                self.llm.abort(cmd.uid)  # the `aborted` event is the confirmation
+                self.llm.abort(cmd.uid)
                 self.loop.wake.set()
+                # the sender hears at once; every client sees the `aborted` event that follows
+                self.publisher.reply(client, messages.accepted(cmd.id, cmd.uid))
             elif isinstance(cmd, SetConfig):
                 self._set_config(cmd)
             elif isinstance(cmd, Stats):
                 await self._stats(client, cmd)
+            elif isinstance(cmd, KVMap):
+                await self._kv_map(client, cmd)
         except EngineError as exc:
             code = exc.code if exc.code in messages.ERROR_CODES else "invalid_request"
             self.publisher.reply(client, messages.error(cmd.id, code, str(exc)))  # type: ignore[arg-type]
@@ -197,22 +206,30 @@ class CommandHandler:
         self.loop.wake.set()
         self.publisher.broadcast(messages.config(cmd.id, self.llm.now(), values))
 
+    async def _kv_map(self, client: Client, cmd: KVMap) -> None:
+        # Between two steps, on the engine thread: the page table and the tree hold still.
+        values = await asyncio.wrap_future(self.loop.call(self.llm.kv_map))
+        self.publisher.reply(client, messages.kv_map(cmd.id, values.pop("t"), values))
+
     async def _stats(self, client: Client, cmd: Stats) -> None:
         values = await asyncio.wrap_future(self.loop.call(self._engine_stats))
+        if (snapshot := values.pop("snapshot")) is not None:  # page by page, off the engine
+            values["integrity"] = await asyncio.to_thread(snapshot.verdict)
         values.update(self.publisher.counters())
         self.publisher.reply(client, messages.stats(cmd.id, self.llm.now(), values))
 
     def _engine_stats(self) -> dict[str, Any]:
-        """Engine thread, between steps: the page accounting is quiet and can be checked."""
+        """Engine thread, between steps: the counters are checked (O(rows)) and the page
+        accounting copied; `_stats` checks the copy page by page on another thread."""
         try:
-            self.llm.check_integrity()
-            integrity = "ok"
+            snapshot, integrity = self.llm.integrity_snapshot(), "ok"
         except AssertionError as exc:
-            integrity = f"failed: {exc}"
+            snapshot, integrity = None, f"failed: {exc}"
         return {
             "steps": self.loop.steps,
             "engine_errors": self.loop.errors,
             "integrity": integrity,
+            "snapshot": snapshot,
             "kv": asdict(self.llm.kv_stats()),
             "queue": asdict(self.llm.queue_stats()),
         }
@@ -278,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-running-req", type=_positive, default=32)
     add("--num-pages", type=_positive, default=None)
     add("--max-seq-len", type=_positive, default=None)
+    add(
+        "--tp-size",
+        type=_positive,
+        default=1,
+        help="split the model over this many ranks (processes; GPUs cuda:0.. on CUDA)",
+    )
     add("--max-waiting", type=_positive, default=1024, help="waiting requests before `capacity`")
     add("--history-steps", type=_positive, default=2000, help="step messages kept for hello")
     add("--client-queue", type=_positive, default=4096, help="messages buffered per client")
@@ -288,6 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="messages a client may lose without catching up before it is disconnected",
     )
     add("--trace", metavar="FILE", help="write every published message to FILE as JSON lines")
+    add(
+        "--http-port",
+        type=_http_port,
+        default=8000,
+        help="the OpenAI-compatible API and /metrics, on --host; 0 picks a free port (printed "
+        "when ready), 'none' turns it off",
+    )
+    add(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights from the model's config.json (a model's shape, no weights)",
+    )
     return p  # fmt: skip
 
 
@@ -295,6 +331,15 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _http_port(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] or 'none', got {text}")
     return value
 
 
@@ -319,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"stepscope: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    try:
+        if args.http_port is not None:
+            _check_port(args.host, args.http_port)
+    except OSError as exc:
+        print(f"stepscope: cannot listen on {args.host}:{args.http_port}: {exc}", file=sys.stderr)
+        return 2
     print(f"stepscope: loading {args.model} on {args.device} ...", file=sys.stderr, flush=True)
     try:
         llm = LLM(
@@ -328,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graph=args.cuda_graph, overlap=args.overlap,
             residual_dtype=args.residual_dtype, batch_invariant=args.batch_invariant,
             max_running_req=args.max_running_req, num_pages=args.num_pages,
-            max_seq_len=args.max_seq_len, progress=True,
+            max_seq_len=args.max_seq_len, load_format=args.load_format, progress=True,
+            tp_size=args.tp_size,
         )  # fmt: skip
     except KeyboardInterrupt:
         return 130
@@ -357,8 +409,11 @@ class Server:
     loop: EngineLoop
     recorder: Recorder
     trace: TraceWriter | None
+    http: HttpApi | None = None  # the OpenAI-compatible API; None with --http-port none
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.stop()
         self.publisher.stop()
         if self.trace is not None:
             self.trace.close()
@@ -372,17 +427,25 @@ def build(llm: Any, args: argparse.Namespace) -> Server:
     gc.freeze()
     max_frame = 2**20
     recorder = Recorder(max_steps=args.history_steps, config=llm.config_dict())
+    # `instance` tells a reconnecting client whether it meets the engine it knew (v1.1)
     engine_facts = {**llm.info.to_dict(), "max_frame_bytes": max_frame,
-                    "max_waiting": args.max_waiting}  # fmt: skip
+                    "max_waiting": args.max_waiting,
+                    "instance": uuid.uuid4().hex[:12]}  # fmt: skip
 
     def hello() -> dict[str, Any]:
-        return messages.hello(llm.now(), engine_facts, dict(recorder.config), recorder.history())
+        # server thread: the recorder has folded every broadcast up to `recorder.seq`
+        return messages.hello(
+            llm.now(), engine_facts, dict(recorder.config), recorder.history(), recorder.seq
+        )
 
     sinks: list[Callable[[dict[str, Any], str], None]] = [lambda msg, _text: recorder.record(msg)]
     trace = TraceWriter(args.trace) if args.trace else None
     if trace is not None:
         trace.write(json.dumps(hello()))  # the header: engine facts and the starting config
         sinks.append(trace)
+    http = _http_api(llm, args)
+    if http is not None:  # its router and Prometheus metrics see every message
+        sinks.extend(http.sinks)
     config = PublisherConfig(
         host=args.host, port=args.port, token=args.token,
         allowed_origins=tuple(args.allow_origin), max_frame_bytes=max_frame,
@@ -391,7 +454,21 @@ def build(llm: Any, args: argparse.Namespace) -> Server:
     publisher = Publisher(config, hello=hello, sinks=sinks)
     engine_loop = EngineLoop(llm, publisher.publish)
     publisher.on_frame = CommandHandler(llm, engine_loop, publisher, args.max_waiting).on_frame
-    return Server(llm, publisher, engine_loop, recorder, trace)
+    if http is not None:
+        http.wake, http.call = engine_loop.wake.set, engine_loop.call
+    return Server(llm, publisher, engine_loop, recorder, trace, http)
+
+
+def _http_api(llm: Any, args: argparse.Namespace) -> HttpApi | None:
+    if getattr(args, "http_port", None) is None:
+        return None
+    from instrumentation.openai_api import build_http_api  # Starlette, only when it is on
+
+    return build_http_api(
+        llm, host=args.host, port=args.http_port, token=args.token,
+        allowed_origins=tuple(args.allow_origin), max_waiting=args.max_waiting,
+        model_arg=str(args.model),
+    )  # fmt: skip
 
 
 def serve(llm: Any, args: argparse.Namespace) -> int:
@@ -403,9 +480,18 @@ def serve(llm: Any, args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"stepscope: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    if server.http is not None:
+        try:
+            server.http.start()
+        except OSError as exc:
+            print(f"stepscope: cannot listen on {server.http.url}: {exc}", file=sys.stderr)
+            server.publisher.stop()
+            return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.loop.stop())
     print(f"stepscope engine ready at {server.publisher.url}", flush=True)
+    if server.http is not None:
+        print(f"stepscope HTTP API at {server.http.url}", flush=True)
     status = 0
     try:
         server.loop.run()
@@ -414,6 +500,8 @@ def serve(llm: Any, args: argparse.Namespace) -> int:
         status = 1
     finally:
         server.close()
+        if hasattr(llm, "close"):  # tensor-parallel worker processes stop with the server
+            llm.close()
     print("stepscope: engine stopped", file=sys.stderr, flush=True)
     return status
 

@@ -5,3 +5,4 @@ engine's model code, so a dashboard or notebook can reuse it. Import the submodu
 """
 
 PROTOCOL_VERSION = 1
+PROTOCOL_MINOR = 1  # v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged

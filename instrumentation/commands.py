@@ -59,7 +59,14 @@ class Stats:
     id: str | None
 
 
-Command = Submit | Abort | SetConfig | Stats
+@dataclass(frozen=True, slots=True)
+class KVMap:
+    """Extension: the KV pool page by page, run-length encoded (docs/protocol.md)."""
+
+    id: str | None
+
+
+Command = Submit | Abort | SetConfig | Stats | KVMap
 
 
 def parse_command(frame: str | bytes, *, vocab_size: int, policies: tuple[str, ...]) -> Command:
@@ -78,6 +85,8 @@ def parse_command(frame: str | bytes, *, vocab_size: int, policies: tuple[str, .
             return _set_config(obj, command_id, policies)
         if kind == "stats":
             return Stats(command_id)
+        if kind == "kv_map":
+            return KVMap(command_id)
     except CommandError as exc:
         exc.command_id = command_id
         raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from instrumentation import PROTOCOL_VERSION
+from instrumentation import PROTOCOL_MINOR, PROTOCOL_VERSION
 
 ErrorCode = Literal[
     "invalid_json", "unknown_type", "invalid_request", "too_large", "not_found", "capacity"
@@ -21,11 +21,18 @@ Message = dict[str, Any]
 
 
 def hello(
-    now: float, engine: dict[str, Any], config: dict[str, Any], history: dict[str, Any]
+    now: float,
+    engine: dict[str, Any],
+    config: dict[str, Any],
+    history: dict[str, Any],
+    seq: int | None = None,
 ) -> Message:
+    """`seq`: the last broadcast that `history` includes (v1.1); None before the first."""
     return {
         "type": "hello",
         "protocol": PROTOCOL_VERSION,
+        "protocol_minor": PROTOCOL_MINOR,
+        "seq": -1 if seq is None else seq,
         "now": now,
         "engine": engine,
         "config": config,
@@ -48,3 +55,8 @@ def config(command_id: str | None, t: float, values: dict[str, Any]) -> Message:
 def stats(command_id: str | None, t: float, values: dict[str, Any]) -> Message:
     """Reply to the `stats` extension (docs/protocol.md): engine and server counters."""
     return {"type": "stats", "id": command_id, "t": t, **values}
+
+
+def kv_map(command_id: str | None, t: float, values: dict[str, Any]) -> Message:
+    """Reply to the `kv_map` extension (docs/protocol.md): the pool page by page."""
+    return {"type": "kv_map", "id": command_id, "t": t, **values}

@@ -1,8 +1,8 @@
 """The WebSocket publisher: an asyncio server in its own thread that fans messages out to clients.
 
 The engine thread hands over whole batches of messages with `publish()`, which never waits. The
-server thread serializes each message once, gives it to the sinks (recorder, trace file) and
-appends the same string to every client's bounded queue. A client that stops reading loses its
+server thread numbers each broadcast (`seq`, protocol v1.1), serializes it once, gives it to the
+sinks (recorder, trace file) and appends the same string to every client's bounded queue. A client that stops reading loses its
 oldest messages; once it has lost `drop_limit` of them without catching up, it is disconnected.
 """
 
@@ -40,6 +40,7 @@ class Record(Protocol):
 
 Sink = Callable[[Message, str], None]
 LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1"))
+BROADCAST_TYPES = frozenset(("step", "token", "request", "config"))
 CLOSE_TOO_SLOW = 1008  # policy violation: the client did not read its messages
 WRITE_LIMIT = 2**16  # bytes in a connection's write buffer beyond which messages wait in its outbox
 
@@ -127,6 +128,7 @@ class Publisher:
         self.clients: set[Client] = set()
         self.port: int = config.port
         self.messages_published = 0
+        self.seq = -1  # the `seq` of the last broadcast; the first one is 0
         self.dropped_total = 0
         self.slow_disconnects = 0
         self._thread: threading.Thread | None = None
@@ -184,6 +186,7 @@ class Publisher:
         return {
             "clients": len(self.clients),
             "messages_published": self.messages_published,
+            "seq": self.seq,
             "dropped": self.dropped_total + sum(c.dropped_total for c in self.clients),
             "slow_disconnects": self.slow_disconnects,
         }
@@ -192,6 +195,9 @@ class Publisher:
         texts = []
         for item in messages:
             msg = item if isinstance(item, dict) else item.to_dict()
+            if msg.get("type") in BROADCAST_TYPES:
+                self.seq += 1
+                msg["seq"] = self.seq
             text = json.dumps(msg)  # once, shared by every client
             for sink in self._sinks:
                 sink(msg, text)

@@ -2,8 +2,9 @@
 
 `python -m instrumentation.trace IN.jsonl OUT.json` turns a recorded session into Chrome's trace
 event format (Perfetto, chrome://tracing): one track of engine steps with KV and queue counters,
-and one track per request with its waiting time, chunk, prefill and decode slices. Pure Python:
-no torch, so the dashboard can offer the same export.
+and one track per request with its waiting time, chunk, prefill and decode slices, its stalls
+and its metrics, all as the shared fold (instrumentation.fold) defines them. Pure Python: no
+torch, so the dashboard can offer the same export.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from instrumentation.fold import Fold, stalls
 
 Message = dict[str, Any]
 ENGINE_PID = 1
@@ -43,31 +46,38 @@ class TraceWriter:
             self._file.close()
 
 
+def parse_lines(lines: Iterable[str]) -> Iterator[Message]:
+    """Messages of JSON lines; blank and broken lines (a writer killed mid-line) are skipped."""
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict):
+            yield msg
+
+
 def read_jsonl(path: str | Path) -> Iterator[Message]:
     """Messages of a JSON-lines file; a truncated last line (killed writer) is skipped."""
     with Path(path).open(encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(msg, dict):
-                yield msg
+        yield from parse_lines(f)
 
 
 class _ChromeTrace:
     def __init__(self) -> None:
         self.events: list[Message] = []
         self.requests: set[int] = set()
-        self.waiting_since: dict[int, float] = {}
+        self.waiting: set[int] = set()  # queued, not yet in a step
         self.steps = 0
         self.engine_name = "engine"
+        self.fold = Fold(max_steps=None, max_ended=2**62, max_ended_bytes=2**62)
 
     def add(self, msg: Message) -> None:
         kind = msg.get("type")
+        self.fold.apply(msg)
         if kind == "hello":
             self.engine_name = f"engine: {msg.get('engine', {}).get('model', '?')}"
             for step in msg.get("history", {}).get("steps", []):
@@ -114,7 +124,10 @@ class _ChromeTrace:
                 else f"{item['kind']} [{item['start']}:{item['end']})"
             )
             item_args = {"step": msg["step"], "start": item["start"], "end": item["end"]}
-            self.events.append(_slice(label, item["kind"], t0, t1, REQUESTS_PID, uid, item_args))
+            cat = item["kind"]
+            if item.get("wasted"):  # the request ended while this step ran
+                label, cat, item_args["wasted"] = f"wasted {label}", "wasted", True
+            self.events.append(_slice(label, cat, t0, t1, REQUESTS_PID, uid, item_args))
         self.steps += 1
 
     def _request(self, msg: Message) -> None:
@@ -122,21 +135,41 @@ class _ChromeTrace:
         self.requests.add(uid)
         args = {k: v for k, v in msg.items() if k not in ("type", "uid", "event", "t")}
         if event == "queued":
-            self.waiting_since[uid] = t
+            self.waiting.add(uid)
         elif event in ("aborted", "rejected", "finished"):
             self._close_waiting(uid, t)
+            rec = self.fold.get(uid)
+            metrics = rec.metrics() if rec is not None else None
+            if metrics:  # the fold's figures, as the page and the summary compute them
+                args.update({k: v for k, v in metrics.items() if not isinstance(v, list)})
         if event != "queued":
             self.events.append(_instant(event, t, REQUESTS_PID, uid, args, "t"))
 
     def _close_waiting(self, uid: int, t: float) -> None:
         # Ends at the first step that lists the request, so slices on its track never overlap.
-        start = self.waiting_since.pop(uid, None)
+        if uid not in self.waiting:
+            return
+        self.waiting.discard(uid)
+        rec = self.fold.get(uid)
+        start = rec.t_queued if rec is not None else None
         if start is not None:
             self.events.append(
                 _slice("waiting", "waiting", start, max(start, t), REQUESTS_PID, uid, {})
             )
 
+    def _stalls(self) -> None:
+        steps = list(self.fold.steps)
+        running = [r.uid for r in self.fold.live_requests() if r.state == "running"]
+        for st in stalls(steps, running):
+            # from the end of its last step with a token to the start of its next one
+            t0 = steps[st.first - 1]["t1"] if st.first > 0 else steps[st.first]["t0"]
+            t1 = steps[st.last]["t1"]
+            args = {"steps": [steps[st.first]["step"], steps[st.last]["step"]],
+                    "seconds": st.seconds, "ongoing": st.ongoing}  # fmt: skip
+            self.events.append(_slice("stall", "stall", t0, t1, REQUESTS_PID, st.uid, args))
+
     def result(self) -> Message:
+        self._stalls()
         meta = [
             _meta("process_name", ENGINE_PID, 0, {"name": self.engine_name}),
             _meta("process_sort_index", ENGINE_PID, 0, {"sort_index": 0}),

@@ -1,11 +1,20 @@
-"""How long a dashboard redraw takes: every figure built from a long trace, then serialized.
+"""How long a dashboard redraw takes: every figure built from a long trace, then serialized;
+and what one live update costs instead.
 
     python scripts/bench_figures.py                       # synthetic 5,000-step trace
     python scripts/bench_figures.py --trace run.jsonl     # a trace from engine.server --trace
+    python scripts/bench_figures.py --live --requests 64 --browser   # per-update cost
 
-A redraw is what a fragment rerun does per chart: build the figure from the recorded events
-(app.figures) and serialize it to the JSON that `st.plotly_chart` sends (to_dict + to_json).
-Prints the median of --repeat runs per figure and window, and the whole page's sum.
+A redraw is what a classic fragment rerun does per chart: build the figure from the recorded
+events (app.figures) and serialize it to the JSON that `st.plotly_chart` sends (to_dict +
+to_json). Prints the median of --repeat runs per figure and window, and the whole page's sum.
+
+`--live` measures the live charts (app/live) instead: with `window` steps already in the
+browser, one update is the store's delta for the steps that arrived since the last (`--batch`,
+about a quarter second of engine steps), encoded by the feed: its Python time and its bytes.
+`--browser` also replays those updates in Debian's chromium and reports the main-thread time
+per update (the `stepscope-update` measure of app/live/static/live.js) next to the same
+browser's floor, one Plotly.react of a 1,000-point line.
 """
 
 from __future__ import annotations
@@ -69,13 +78,152 @@ def measure(build: Callable[[], object], repeat: int) -> tuple[float, float, int
     return statistics.median(builds), statistics.median(serials), size
 
 
+def busy_trace(num_steps: int, requests: int) -> list[dict]:
+    """`requests` long greedy requests decoding together (a new one for each that ends)."""
+    from tests.app_peer import SimEngine
+
+    sim = SimEngine(max_extend_tokens=256, policy="mixed", num_pages=1_000_000)
+    out: list[dict] = [_hello(sim)]
+    for k in range(requests):
+        out += sim.submit(prompt_len=16 + k % 24, max_tokens=400 + 37 * k)[1]
+    steps = 0
+    while steps < num_steps:
+        msgs = sim.step()
+        out += msgs
+        steps += 1
+        ended = sum(1 for m in msgs if m.get("event") == "finished")
+        for _ in range(ended):
+            out += sim.submit(prompt_len=24, max_tokens=500)[1]
+    return out
+
+
+def _hello(sim: object) -> dict:
+    return {
+        "type": "hello",
+        "protocol": 1,
+        "now": 0.0,
+        "engine": {"model": "sim", "page_size": 1, "num_pages": 1_000_000},
+        "config": dict(sim.config),  # type: ignore[attr-defined]
+        "history": {"steps": [], "requests": []},
+    }
+
+
+def live_updates(
+    messages: list[dict], window: int, batch: int
+) -> tuple[list[dict], list[float], list[int]]:
+    """Payloads of a browser that holds `window` steps and pulls every `batch` new steps; with
+    the feed's Python time and the JSON bytes of each (the first one is the reset)."""
+    import json
+
+    from app.live.feed import LiveFeed, ViewOptions
+
+    store, feed = EventStore(), LiveFeed()
+    opts = ViewOptions(window=window, xmode="step")
+    payloads, times, sizes = [], [], []
+    have, steps, due = None, 0, window
+    for msg in messages:
+        store.apply(msg)
+        steps += msg.get("type") == "step"
+        if steps < due or msg.get("type") != "step":
+            continue
+        t0 = time.perf_counter()
+        data = feed.payload(store, have, opts)
+        times.append(time.perf_counter() - t0)
+        sizes.append(len(json.dumps(data, separators=(",", ":"))))
+        payloads.append(data)
+        have, due = data["id"], steps + batch
+    return payloads, times, sizes
+
+
+BROWSER_JS = """([payloads, style]) => {
+    const el = document.getElementById('root');
+    const send = (p) => window.stepscopeLive.render(
+        {parentElement: el, setStateValue: () => {}, data: Object.assign({style}, p)});
+    for (const p of payloads) send(p);
+    const ms = performance.getEntriesByName('stepscope-update').slice(1).map(e => e.duration);
+    ms.sort((a, b) => a - b);
+    return {median: ms[ms.length >> 1], p90: ms[Math.floor(0.9 * (ms.length - 1))],
+            updates: ms.length, lod: document.querySelector('.stepscope-live').dataset.lod};
+}"""
+FLOOR_JS = """() => {
+    const gd = document.createElement('div'); gd.style.width = '1400px';
+    document.body.appendChild(gd);
+    const out = [];
+    for (let k = 0; k < 20; k++) {
+        const x = [], y = [];
+        for (let i = 0; i < 1000; i++) { x.push(i + k); y.push(Math.sin(i / 50 + k)); }
+        const t = performance.now();
+        Plotly.react(gd, [{type: 'scatter', x, y, mode: 'lines'}], {height: 400, uirevision: 1});
+        out.push(performance.now() - t);
+    }
+    out.sort((a, b) => a - b);
+    return out[10];
+}"""
+
+
+def browser_updates(payloads: list[dict]) -> dict:
+    """Replay the payloads in chromium (no server): main-thread ms per live update."""
+    import tempfile
+
+    import plotly
+    from playwright.sync_api import sync_playwright
+
+    from app.live.component import STATIC, style
+
+    plotly_js = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    html = (
+        "<html><head><meta charset='utf-8'></head><body><div id='root' style='width:1400px'>"
+        f"</div><script src='{plotly_js.as_uri()}'></script>"
+        f"<script src='{(STATIC / 'live.js').as_uri()}'></script></body></html>"
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False) as f:
+        f.write(html)
+    args = ["--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files"]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=args)
+        page = browser.new_page(viewport={"width": 1600, "height": 1300})
+        page.goto(Path(f.name).as_uri())
+        page.wait_for_function("() => window.stepscopeLive && window.Plotly")
+        out = page.evaluate(BROWSER_JS, [payloads, style()])
+        out["floor"] = page.evaluate(FLOOR_JS)
+        browser.close()
+    return out
+
+
+def live_main(args: argparse.Namespace) -> int:
+    messages = busy_trace(max(args.windows) + 40 * args.batch, args.requests)
+    print(f"live updates: {args.requests} requests, {args.batch} new steps per update")
+    header = f"{'steps in view':>13} {'python ms/update':>16} {'KB/update':>10} {'reset KB':>9}" + (
+        f" {'browser ms median':>17} {'p90':>6} {'floor':>6} {'detail':>8}" if args.browser else ""
+    )
+    print(header)
+    print("-" * len(header))
+    for window in args.windows:
+        payloads, times, sizes = live_updates(messages, window, args.batch)
+        line = (
+            f"{window:>13} {statistics.median(times[1:]) * 1e3:>16.2f} "
+            f"{statistics.median(sizes[1:]) / 1024:>10.1f} {sizes[0] / 1024:>9.0f}"
+        )
+        if args.browser:
+            b = browser_updates(payloads)
+            line += f" {b['median']:>17.1f} {b['p90']:>6.1f} {b['floor']:>6.1f} {b['lod']:>8}"
+        print(line)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, help="JSON-lines trace (engine.server --trace)")
     parser.add_argument("--steps", type=int, default=5_000, help="synthetic trace length")
     parser.add_argument("--windows", type=int, nargs="+", default=[500, 5_000])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--live", action="store_true", help="per-update cost of the live charts")
+    parser.add_argument("--requests", type=int, default=64, help="--live: requests in flight")
+    parser.add_argument("--batch", type=int, default=5, help="--live: new steps per update")
+    parser.add_argument("--browser", action="store_true", help="--live: replay in chromium")
     args = parser.parse_args()
+    if args.live:
+        return live_main(args)
 
     snap = load(args.trace, args.steps)
     print(f"trace: {len(snap.steps):,} steps, {len(snap.requests):,} requests")

@@ -249,7 +249,8 @@ async def soak_client(url: str, requests: int, seed: int, window: int) -> tuple[
 def soak(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "engine.server", "--model", model_path(args.model, Path(tmp)),
-               "--port", "0", "--max-running-req", "16", "--max-waiting", str(args.max_waiting),
+               "--port", "0", "--http-port", "0", "--max-running-req", "16",
+               "--max-waiting", str(args.max_waiting),
                "--max-seq-len", "1024", "--threads", str(args.threads),
                "--overlap" if args.overlap else "--no-overlap"]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -375,7 +375,22 @@ class AppPeer:
             if msgs is None:
                 return _error(cid, "not_found", f"no request {cmd.get('uid')} in flight")
             self._broadcast(msgs)
-            return None
+            return {"type": "accepted", "id": cid, "uid": int(cmd["uid"])}  # v1.1 acknowledges
+        if kind == "kv_map":  # the extension: each running request's pages, then free ones
+            runs = [[self.sim._pages(r.computed), 2, r.uid, 1] for r in self.sim.running]
+            runs = [r for r in runs if r[0] > 0]
+            free = self.sim.num_pages - sum(r[0] for r in runs)
+            return {
+                "type": "kv_map",
+                "id": cid,
+                "t": self.sim.now,
+                "num_pages": self.sim.num_pages,
+                "page_size": self.sim.page_size,
+                "states": ["free", "cached", "used", "shared"],
+                "runs": [*runs, [free, 0, -1, 0]],
+                "reserved_pages": 0,
+                "reserved_tokens": 0,
+            }
         return _error(cid, "unknown_type", f"unknown command type {kind!r}")
 
 

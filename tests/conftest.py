@@ -5,8 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.models import make_tiny
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One torch thread in the test process, as the servers the tests start have (see
+    # tests/test_server_support.py). The suite's models are tiny, so a second thread buys
+    # little, and on a busy 2-core machine OpenMP workers spinning for a descheduled peer made
+    # every step ~10x slower (measured: the tiny-model exactness test, 26.7 s against 4.4 s).
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # With `-n 2` (pytest-xdist, `--dist loadgroup`), the browser tests run one after another on
+    # one worker: each drives an engine, a Streamlit server and chromium, and two at once on two
+    # cores starve each other's pages.
+    for item in items:
+        if item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.xdist_group("browser"))
 
 
 @pytest.fixture(scope="session")

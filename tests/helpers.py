@@ -64,3 +64,65 @@ class Events:
 
     def clear(self) -> None:
         self.all.clear()
+
+
+class SchedulerSim:
+    """The scheduler, the KV manager and a prefix cache driven like the engine drives them, with
+    no model: each step's sampled token is drawn at random. For properties of the bookkeeping
+    (and `scripts/bench_schedule.py`), at thousands of steps a second."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 1,
+        max_running_req: int = 8,
+        max_seq_len: int = 256,
+        cache_type: str = "radix",
+        seed: int = 0,
+    ) -> None:
+        import random
+
+        from engine.kvcache.manager import KVManager
+        from engine.kvcache.naive import NaiveCache
+        from engine.kvcache.radix import RadixCache
+        from engine.kvcache.table import PageTable
+        from engine.scheduler.policy import POLICIES
+        from engine.scheduler.scheduler import Scheduler
+
+        table = PageTable(max_running_req, max_seq_len, page_size)
+        cache = RadixCache(page_size) if cache_type == "radix" else NaiveCache(page_size)
+        self.kv = KVManager(num_pages, page_size, table, cache)
+        self.scheduler = Scheduler(self.kv)
+        self.policies = {name: cls() for name, cls in POLICIES.items()}
+        self.rng = random.Random(seed)
+        self.uids = 0
+        self.t = 0.0
+
+    def submit(self, prompt: list[int], max_tokens: int) -> int:
+        from engine.request import RequestState
+        from engine.sampling import SamplingParams
+
+        uid, self.uids = self.uids, self.uids + 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add(RequestState(uid, prompt, params, self.t, detok=None))  # type: ignore[arg-type]
+        return uid
+
+    def step(self, policy: str = "prefill_first", budget: int = 16, eos_rate: float = 0.0) -> bool:
+        """One engine step: schedule, advance, "sample" a token for every request that samples,
+        retire the ones that end (by length, or by an EOS drawn with `eos_rate`)."""
+        self.t += 1.0
+        s = self.scheduler.schedule(self.policies[policy], budget, self.t)
+        if s is None:
+            return False
+        self.scheduler.advance(s.batch)
+        finishing = {r.uid for r in self.scheduler.finishing}
+        for req in s.batch.reqs:
+            if not req.can_decode:
+                continue
+            req.append_token(self.rng.randrange(3, 1000), self.t)
+            if req.uid in finishing:
+                self.scheduler.retire(req)
+            elif self.rng.random() < eos_rate:
+                req.state.finish_reason = "eos"
+                self.scheduler.retire(req)
+        return True

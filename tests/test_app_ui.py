@@ -6,7 +6,9 @@ peer received, not what the script meant to send.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -105,6 +107,22 @@ def test_controls_follow_a_config_changed_elsewhere(app: AppTest, peer: AppPeer)
     assert app.select_slider(key="budget_slider").value == 32
 
 
+def test_a_stale_value_coming_back_from_the_browser_does_not_undo_a_sync(
+    app: AppTest, peer: AppPeer
+) -> None:
+    before = app.number_input(key="budget_exact").value
+    with peer._lock:
+        peer._command({"type": "set_config", "id": "preset", "max_extend_tokens": 16})
+    assert settle(app, lambda: app.number_input(key="budget_exact").value == 16)
+    # a rerun the browser started before the sync reached it still carries the old value
+    app.number_input(key="budget_exact").set_value(before).run()
+    assert peer.received("set_config") == [] or all(
+        c.get("id") == "preset" for c in peer.received("set_config")
+    )
+    assert app.number_input(key="budget_exact").value == 16
+    assert peer.sim.config["max_extend_tokens"] == 16
+
+
 def test_prompt_form_submits_copies_with_every_field(app: AppTest, peer: AppPeer) -> None:
     app.text_area(key="prompt_text").input("Why is the sea salty?")
     app.number_input(key="max_tokens").set_value(7)
@@ -142,15 +160,17 @@ def test_engine_error_replies_are_shown(app: AppTest, peer: AppPeer) -> None:
     assert any("too_large" in t for t in texts(app.error))
 
 
-def test_abort_button_sends_abort_for_that_request(app: AppTest, peer: AppPeer) -> None:
+def test_abort_button_aborts_that_request_and_says_so(app: AppTest, peer: AppPeer) -> None:
     app.text_area(key="prompt_text").input("a long story please")
     app.number_input(key="max_tokens").set_value(4000)
     app.button(key="FormSubmitter:prompt-Submit").click().run()
-    app.session_state["tab"] = "Requests"
+    app.session_state["detail_tab"] = "Requests"
     assert settle(app, lambda: any(b.key == "abort-0" for b in app.button))
     app.button(key="abort-0").click().run()
     assert [c["uid"] for c in peer.received("abort")] == [0]
     assert settle(app, lambda: peer.sim.requests[0].state == "aborted")
+    assert any("request 0 aborted" in t for t in texts(app.success))
+    assert not texts(app.error)  # v1.1 acknowledges an abort: no "No reply" error
 
 
 # ---- presets ----------------------------------------------------------------------------------
@@ -210,54 +230,97 @@ def test_shared_prefix_and_burst_presets(app: AppTest, peer: AppPeer) -> None:
 # ---- views ------------------------------------------------------------------------------------
 
 
-def test_charts_appear_and_pausing_freezes_them(app: AppTest, peer: AppPeer) -> None:
+def charts(at: AppTest) -> dict:
+    """The live charts' payload: what the browser would append (app/live)."""
+    [el] = [e for e in at.get("bidi_component") if e.proto.component_name == "stepscope.live"]
+    return json.loads(el.proto.json)
+
+
+def fresh(at: AppTest) -> dict:
+    """The payload a newly opened browser would get: everything in the window."""
+    at.session_state["live_seen"] = {}
+    at.run()
+    return charts(at)
+
+
+def test_live_charts_get_steps_and_pausing_stops_them(app: AppTest, peer: AppPeer) -> None:
     app.text_area(key="prompt_text").input("hello " * 40)
     app.button(key="FormSubmitter:prompt-Submit").click().run()
-    assert settle(app, lambda: len(peer.steps) > 5 and bool(app.get("plotly_chart")))
+    assert settle(app, lambda: len(peer.steps) > 5 and len(fresh(app)["steps"]["step"]) > 5)
+    data = fresh(app)
+    assert data["reset"] and not data["paused"] and not app.get("plotly_chart")
+    assert {"timeline", "kv", "progress"} <= set(data["captions"])
+    assert data["assets"]["plotly"].endswith("plotly.min.js")
+    assert data["requests"][0][:2] == [0, "running"] or data["requests"][0][0] == 0
     app.toggle(key="live").set_value(False).run()
-    frozen = app.get("plotly_chart")[0].proto.spec
-    n = len(peer.steps)
-    assert peer.wait_for(lambda: len(peer.steps) > n + 3)  # the engine keeps stepping
-    app.run()
-    assert app.get("plotly_chart")[0].proto.spec == frozen
+    assert charts(app)["paused"]
     assert any("Paused" in t for t in texts(app.info))
     app.toggle(key="live").set_value(True).run()
-    assert settle(app, lambda: app.get("plotly_chart")[0].proto.spec != frozen)
+    assert not charts(app).get("paused")
 
 
 def test_every_tab_draws(app: AppTest, peer: AppPeer) -> None:
-    app.button(key="preset-chapter").click().run()
+    app.text_area(key="prompt_text").input("a long story please " * 5)
+    app.number_input(key="max_tokens").set_value(400)
+    app.button(key="FormSubmitter:prompt-Submit").click().run()
     assert peer.wait_for(lambda: len(peer.steps) >= 6)
-    charts = {}
-    for tab, count in (("Timeline", 1), ("KV cache", 1), ("Latency", 2), ("Requests", 0)):
-        app.session_state["tab"] = tab
+    for tab in ("Output text", "KV page map", "Latency", "Requests"):
+        app.session_state["detail_tab"] = tab
         app.run()
-        assert not app.exception
-        charts[tab] = len(app.get("plotly_chart"))
-        assert charts[tab] == count, (tab, charts)
+        assert not app.exception, tab
+        if tab == "KV page map":
+            [el] = [
+                e
+                for e in app.get("bidi_component")
+                if e.proto.component_name != "stepscope.live"
+                or json.loads(e.proto.json).get("mode") == "kvmap"
+            ]
+            data = json.loads(el.proto.json)
+            assert data["mode"] == "kvmap" and data["map"]["num_pages"] == 4096
+            assert any(run[2] == 0 and run[1] == 2 for run in data["map"]["runs"])
+            assert peer.received("kv_map")  # asked for only while this tab is open
+        if tab == "Latency":
+            assert len(app.get("plotly_chart")) == 2
     table = app.dataframe[0].value
-    assert list(table["uid"]) == [2, 1, 0]
+    assert list(table["uid"]) == [0]
     assert {"state", "prompt", "cached", "TTFT (s)", "worst stall (s)", "text"} <= set(table)
+    asked = len(peer.received("kv_map"))
+    app.run()
+    assert len(peer.received("kv_map")) == asked  # closed: the page map costs nothing
 
 
 def test_clear_history_empties_the_charts(app: AppTest, peer: AppPeer) -> None:
     app.button(key="preset-chapter").click().run()
     assert peer.wait_for(lambda: all(r.state == "finished" for r in peer.sim.requests.values()))
-    assert settle(app, lambda: "No engine steps" not in app.get("plotly_chart")[0].proto.spec)
+    assert settle(app, lambda: len(fresh(app)["steps"]["step"]) > 0)
     # the peer is done, but its last messages may still be on their way to the page: clearing
-    # before they land would let them draw again; wait until the chart stops changing
-    last: list[str] = [""]
+    # before they land would let them draw again; wait until the charts stop changing
+    last: list[object] = [None]
 
     def unchanged() -> bool:
         time.sleep(0.3)
-        spec = app.get("plotly_chart")[0].proto.spec
-        same, last[0] = spec == last[0], spec
+        steps = fresh(app)["steps"]["step"]
+        same, last[0] = steps == last[0], steps
         return same
 
     assert settle(app, unchanged)
     [clear] = [b for b in app.button if b.label == "Clear history"]
     clear.click().run()
-    assert "No engine steps recorded yet" in app.get("plotly_chart")[0].proto.spec
+    data = charts(app)
+    assert data["reset"] and data["steps"]["step"] == []
+
+
+def test_classic_charts_stay_selectable(peer: AppPeer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPSCOPE_CHARTS", "classic")
+    at = _app(monkeypatch, peer.url)
+    assert settle(at, lambda: connected(at))
+    at.button(key="preset-chapter").click().run()
+    assert peer.wait_for(lambda: len(peer.steps) >= 6)
+    for tab, count in (("Timeline", 1), ("KV cache", 1), ("Latency", 2)):
+        at.session_state["tab"] = tab
+        at.run()
+        assert len(at.get("plotly_chart")) == count, tab
+    assert not [e for e in at.get("bidi_component") if e.proto.component_name == "stepscope.live"]
 
 
 # ---- connection -------------------------------------------------------------------------------
@@ -316,3 +379,23 @@ def test_autostart_shows_loading_progress_then_a_dead_engine_and_restart(
     at.button(key="restart-engine").click().run()
     assert len(launched) == 2
     assert settle(at, lambda: bool(at.get("progress")))
+
+
+def test_a_prompt_submitted_before_the_engine_is_up_is_sent_once_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    at = _app(monkeypatch, f"ws://127.0.0.1:{port}")
+    at.run()
+    assert not connected(at)
+    at.text_area(key="prompt_text").input("Is anybody there?")
+    at.button(key="FormSubmitter:prompt-Submit").click().run()
+    assert any("held" in t for t in texts(at.success))
+    assert not texts(at.error)
+    assert settle(at, lambda: any("held until the engine is" in t for t in texts(at.caption)))
+    with AppPeer(port=port) as late:  # the engine comes up on that port
+        assert late.wait_for(lambda: len(late.received("submit")) == 1, timeout=20)
+        assert late.received("submit")[0]["prompt"] == "Is anybody there?"
+        assert settle(at, lambda: any("requests 0" in t for t in texts(at.caption)))

@@ -62,17 +62,16 @@ def test_tiny_qwen2_matches_hf(tmp_path, smollm2_dir) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("cache_type", ["radix", "naive"])
-def test_smollm2_matches_hf(smollm2_dir, cache_type: str, page_size: int) -> None:
-    llm = LLM(
-        "smollm2", page_size=page_size, cache_type=cache_type, max_running_req=8, progress=False
-    )
+def test_smollm2_matches_hf(smollm2_dir) -> None:
+    # The real model once: chunked (every prompt computed in chunks of 6), then served from the
+    # radix cache, then mixed with decodes. The grid of budgets, page sizes, caches and policies
+    # runs on the tiny models above: the same code paths at a fiftieth of the cost.
+    llm = LLM("smollm2", page_size=4, cache_type="radix", max_running_req=8, progress=False)
     prompts = [*CHAPTER_PROMPTS, LONG + "And then"]
     ids = [llm.tokenizer(p).input_ids for p in prompts]
     ref = hf_greedy(smollm2_dir, ids, N_OUT)
-    _check(llm, prompts, ref, [1, 6, 16, 8192], "prefill_first")
-    _check(llm, prompts, ref, [2, 7, 64], "mixed")
+    _check(llm, prompts, ref, [6, 8192], "prefill_first")
+    _check(llm, prompts, ref, [7], "mixed")
 
 
 @pytest.mark.slow

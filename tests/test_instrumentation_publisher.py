@@ -64,8 +64,8 @@ def test_sinks_see_each_message_once_serialized(publisher: Publisher) -> None:
     try:
         c = ProtoClient(pub.url)
         pub.publish([{"type": "step", "step": 1}])
-        assert c.recv() == {"type": "step", "step": 1}
-        assert sink == [json.dumps({"type": "step", "step": 1})]
+        assert c.recv() == {"type": "step", "step": 1, "seq": 0}  # numbered once (v1.1)
+        assert sink == [json.dumps({"type": "step", "step": 1, "seq": 0})]
         c.close()
     finally:
         pub.stop()

@@ -65,7 +65,7 @@ def test_request_record_and_metrics() -> None:
     assert m["queue_time_seconds"] == pytest.approx(0.5)
     assert m["time_to_first_token_seconds"] == pytest.approx(1.0)
     assert m["inter_token_latency_seconds"] == pytest.approx([0.25, 0.25])
-    assert m["max_stall_seconds"] == pytest.approx(0.25)
+    assert m["max_stall_seconds"] is None  # no step ran without it: slow, never stalled
     assert m["e2e_request_latency_seconds"] == pytest.approx(1.5)
 
 
@@ -105,7 +105,7 @@ def test_aborted_and_rejected_end_states() -> None:
     assert rows[2]["state"] == "rejected" and rows[2]["message"] == "pool too small"
     assert rows[1]["metrics"] is None
     summary = r.summary()
-    assert (summary["aborted"], summary["rejected"], summary["finished"]) == (1, 1, 0)
+    assert (summary.aborted, summary.rejected, summary.finished) == (1, 1, 0)
 
 
 def test_config_messages_update_config() -> None:
@@ -149,3 +149,33 @@ def test_instrumentation_imports_no_torch() -> None:
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_ended_requests_are_bounded_by_bytes_and_their_metrics_computed_once() -> None:
+    r = Recorder(max_ended=10_000, max_ended_bytes=200_000)
+    for uid in range(400):
+        lifecycle(r, uid, float(uid), ["tok"] * 50, gap=0.01)
+    kept = [rec for rec in r.requests() if rec.ended]
+    # each keeps 50 token times and its text: the byte budget, not the count, bounds them
+    assert 0 < len(kept) < 400 and r.ended_bytes <= 200_000
+    assert [rec.uid for rec in kept] == list(range(400 - len(kept), 400))  # the newest
+    rec = kept[-1]
+    assert rec.pieces == [] and rec.text == "tok" * 50  # the pieces are joined once
+    first = rec.metrics()
+    assert first is not None and rec.metrics() is first  # computed when it ended, not per hello
+
+
+def test_fold_stall_is_a_gap_that_skipped_steps() -> None:
+    r = Recorder()
+    r.record(req(0, "queued", 0.0, prompt_len=5, max_tokens=4))
+    r.record(req(0, "admitted", 0.0, cached_len=0))
+    prefill = (StepItem(0, "prefill", 0, 5),)
+    decode = (StepItem(0, "decode", 5, 6),)
+    r.record(step(0, prefill))
+    r.record(step(1, decode))  # slow or not, in consecutive steps: no stall
+    r.record(step(2, (StepItem(1, "chunk", 0, 16),)))
+    r.record(step(3, (StepItem(1, "chunk", 16, 32),)))
+    r.record(step(4, decode))  # steps 2 and 3 ran without it
+    rec = r.get(0)
+    assert rec is not None and rec.max_stall == pytest.approx(4 * 0.1 + 0.05 - (1 * 0.1 + 0.05))
+    assert r.summary().worst_stall_uid == 0

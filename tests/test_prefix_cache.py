@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kvcache.radix import RadixCache
+from engine.kvcache.manager import KVManager
+from engine.kvcache.prefix import CacheHandle
+from engine.kvcache.radix import Node, RadixCache
+from engine.kvcache.table import PageTable
 from tests.helpers import Events, hf_greedy
 
 
@@ -87,3 +91,99 @@ def test_eviction_under_pressure_keeps_integrity(tiny_llama_dir) -> None:
         llm.check_integrity()
         st = llm.kv_stats()
         assert st.used == 0 and st.cached + st.free == st.total
+
+
+# -- eviction without walking the tree; admission that fails changes nothing ------------------
+
+
+def _tree(cache: RadixCache) -> list[tuple]:
+    """Everything eviction depends on: each node's tokens, pages, locks and access time."""
+    return sorted(
+        (tuple(n.key), tuple(n.pages), n.ref, n.last_access, id(n.parent)) for n in cache._nodes()
+    )
+
+
+def _lru_by_walk(cache: RadixCache) -> list[Node]:
+    """The order the old algorithm (walk the whole tree, heapify its unlocked leaves) evicts in;
+    a parent becomes a candidate once its last child is gone."""
+    leaves = [
+        (n.last_access, n.pages[0], n) for n in cache._nodes() if not n.children and not n.ref
+    ]
+    heapq.heapify(leaves)
+    order: list[Node] = []
+    while leaves:
+        node = heapq.heappop(leaves)[2]
+        order.append(node)
+        parent = node.parent
+        assert parent is not None
+        if parent is not cache.root and not parent.ref:
+            if all(c in order for c in parent.children.values()):
+                heapq.heappush(leaves, (parent.last_access, parent.pages[0], parent))
+    return order
+
+
+def test_radix_evicts_in_lru_order_like_a_full_walk() -> None:
+    rng = random.Random(3)
+    stems = [[rng.randrange(3, 500) for _ in range(24)] for _ in range(4)]
+    for page_size in (1, 2, 4):
+        cache = RadixCache(page_size)
+        next_page = 0
+        held: list[tuple[CacheHandle, list[int], list[int]]] = []  # requests still running
+        for _ in range(400):
+            tail = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 9))]
+            ids = rng.choice(stems)[: rng.randrange(0, 25)] + tail
+            handle, pages = cache.match(ids)
+            cache.lock(handle)
+            fresh = -(-len(ids) // page_size) - len(pages)  # pages for the rest of the prompt
+            held.append((handle, ids, pages + list(range(next_page, next_page + fresh))))
+            next_page += fresh
+            if len(held) > 3 or rng.random() < 0.5:  # one ends: its KV goes to the tree
+                cache.donate(*held.pop(rng.randrange(len(held))))
+            if rng.random() < 0.3:
+                want, n = _lru_by_walk(cache), rng.randrange(1, 6)
+                expected: list[int] = []
+                for node in want:
+                    if len(expected) >= n:
+                        break
+                    expected += node.pages
+                assert cache.evict(n) == expected
+            _, unlocked = cache.pages()
+            assert len(unlocked) == cache.evictable_pages
+            assert len(cache._heap) <= 2 * cache.num_nodes + 64  # stale entries are pruned
+        while held:
+            cache.donate(*held.pop())
+        want = _lru_by_walk(cache)
+        assert cache.evict(10**6) == [p for node in want for p in node.pages]
+        assert cache.num_nodes == cache.evictable_pages == cache.locked_pages == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_failed_admission_leaves_the_tree_and_lru_order_untouched(page_size: int) -> None:
+    kv = KVManager(64 // page_size, page_size, PageTable(4, 64, page_size), RadixCache(page_size))
+    cache = kv.cache
+    assert isinstance(cache, RadixCache)
+    rng = random.Random(4)
+    a = [rng.randrange(3, 500) for _ in range(24)]
+    b = a[:8] + [rng.randrange(3, 500) for _ in range(16)]
+    for ids in (a, b):  # two cached prompts sharing 8 tokens, both unlocked
+        admitted = kv.try_admit(ids, 1)
+        assert admitted is not None
+        handle, row = admitted
+        kv.map_upto([(row, len(ids))])
+        kv.release(row, handle, ids)
+
+    def state() -> tuple:
+        lru = [id(n) for n in cache.lru_order()]
+        counts = (cache.evictable_pages, cache.locked_pages, kv.allocator.num_free, kv.outstanding)
+        return _tree(cache), lru, counts
+
+    before = state()
+    # this matches 12 tokens of `a`: locking them would split a node and touch its path; but
+    # 12 + 60 tokens cannot fit in a 64-token pool, so the admission fails and changes nothing
+    assert kv.try_admit(a[:12] + [7] * 4, 60) is None
+    assert state() == before
+    kv.check_integrity([])
+    admitted = kv.try_admit(a[:12] + [7] * 4, 4)  # smaller, it fits: now the node is split
+    assert admitted is not None and admitted[0].cached_len == 12
+    assert len(cache._nodes()) == len(before[0]) + 1
+    kv.check_integrity([admitted[1]])

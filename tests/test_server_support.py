@@ -111,8 +111,9 @@ class ServerProcess:
     """`python -m engine.server` on a free loopback port (`--port 0`), stopped with SIGTERM."""
 
     def __init__(self, model: str | Path, *extra: str, trace: Path | None = None) -> None:
+        # --http-port 0: the OpenAI API's default port 8000 would collide between servers
         args = [sys.executable, "-m", "engine.server", "--model", str(model), "--port", "0",
-                *extra]  # fmt: skip
+                "--http-port", "0", *extra]  # fmt: skip
         if trace is not None:
             args += ["--trace", str(trace)]
         self.proc = subprocess.Popen(

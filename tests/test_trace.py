@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine.records import KVStats, QueueStats, RequestEvent, StepItem, StepRecord, TokenEvent
 from instrumentation import messages
 from instrumentation.trace import TraceWriter, read_jsonl, to_chrome_trace
@@ -120,3 +122,34 @@ def test_hello_history_steps_are_included() -> None:
         "prefill #0",
         "chunk [0:4)",
     ]
+
+
+def test_stalls_wasted_work_and_metrics_come_from_the_shared_fold() -> None:
+    """A request skipped by two steps gets one stall slice spanning them; an item marked wasted
+    is drawn as wasted; the finished instant carries the fold's metrics."""
+
+    def step(n: int, items: list[dict]) -> dict:
+        return {"type": "step", "step": n, "t0": n * 1.0, "t1": n * 1.0 + 0.5, "phase": "mixed",
+                "items": items}  # fmt: skip
+
+    dec = {"uid": 0, "kind": "decode", "start": 5, "end": 6}
+    msgs = [
+        {"type": "request", "uid": 0, "event": "queued", "t": 0.0, "prompt_len": 5},
+        {"type": "request", "uid": 1, "event": "queued", "t": 0.0, "prompt_len": 9},
+        step(0, [{"uid": 0, "kind": "prefill", "start": 0, "end": 5}]),
+        {"type": "token", "uid": 0, "t": 0.5, "token_id": 1, "text": "a"},
+        step(1, [{"uid": 1, "kind": "chunk", "start": 0, "end": 4}]),
+        step(2, [{"uid": 1, "kind": "chunk", "start": 4, "end": 8}]),
+        step(3, [dec, {"uid": 1, "kind": "prefill", "start": 8, "end": 9, "wasted": True}]),
+        {"type": "token", "uid": 0, "t": 3.5, "token_id": 2, "text": "b"},
+        {"type": "request", "uid": 0, "event": "finished", "t": 3.5, "output_len": 2},
+    ]
+    events = to_chrome_trace(msgs)["traceEvents"]
+    (stall,) = [e for e in events if e.get("cat") == "stall"]
+    assert stall["tid"] == 0 and stall["args"]["steps"] == [1, 2]
+    assert stall["args"]["seconds"] == pytest.approx(3.0)
+    (wasted,) = [e for e in events if e.get("cat") == "wasted"]
+    assert wasted["tid"] == 1 and wasted["args"]["wasted"] is True
+    (done,) = [e for e in events if e.get("name") == "finished"]
+    assert done["args"]["max_stall_seconds"] == pytest.approx(3.0)
+    assert done["args"]["time_to_first_token_seconds"] == pytest.approx(0.5)

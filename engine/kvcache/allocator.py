@@ -34,5 +34,6 @@ class PageAllocator:
             self._is_free[p] = True
         self._free.extend(reversed(pages))
 
-    def free_pages(self) -> set[int]:
-        return set(self._free)
+    def free_list(self) -> list[int]:
+        """A copy of the free stack (one C-level copy; for integrity snapshots)."""
+        return list(self._free)

@@ -9,6 +9,9 @@ class NaiveCache(PrefixCache):
     def match(self, ids: list[int]) -> tuple[CacheHandle, list[int]]:
         return CacheHandle(0), []
 
+    def pages_to_lock(self, handle: CacheHandle) -> int:
+        return 0
+
     def lock(self, handle: CacheHandle) -> None:
         pass  # nothing is shared, so nothing needs protecting
 
@@ -25,5 +28,9 @@ class NaiveCache(PrefixCache):
     def evictable_pages(self) -> int:
         return 0
 
-    def pages(self) -> tuple[list[int], list[int]]:
-        return [], []
+    @property
+    def locked_pages(self) -> int:
+        return 0
+
+    def page_runs(self) -> list[tuple[bool, list[int]]]:
+        return []

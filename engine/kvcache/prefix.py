@@ -17,6 +17,9 @@ class CacheHandle:
 
     cached_len: int
     node: Any = None
+    # radix: the match ends after this many pages of `node` (0: it covers all of `node`);
+    # `lock` cuts the node there, so a match alone never changes the tree
+    split_at: int = 0
 
 
 class PrefixCache(ABC):
@@ -26,11 +29,17 @@ class PrefixCache(ABC):
     @abstractmethod
     def match(self, ids: list[int]) -> tuple[CacheHandle, list[int]]:
         """The longest cached, page-aligned prefix of `ids`, leaving at least its last token to
-        compute; returns the handle (not yet locked) and the pages behind the prefix."""
+        compute; returns the handle (not yet locked) and the pages behind the prefix. Changes
+        nothing: neither the cache's structure nor its LRU order."""
+
+    @abstractmethod
+    def pages_to_lock(self, handle: CacheHandle) -> int:
+        """How many evictable pages `lock(handle)` would take out of `evictable_pages`."""
 
     @abstractmethod
     def lock(self, handle: CacheHandle) -> None:
-        """Protect the handle's pages from eviction while a request uses them."""
+        """Protect the handle's pages from eviction while a request uses them (and count them
+        as just used)."""
 
     @abstractmethod
     def unlock(self, handle: CacheHandle) -> None: ...
@@ -51,9 +60,23 @@ class PrefixCache(ABC):
     def evictable_pages(self) -> int:
         """Pages held only by the cache: no request has them locked."""
 
+    @property
     @abstractmethod
+    def locked_pages(self) -> int:
+        """Pages of the cache that at least one request has locked."""
+
+    @abstractmethod
+    def page_runs(self) -> list[tuple[bool, list[int]]]:
+        """(locked, pages) for every entry, for integrity checks. The page lists are the
+        cache's own and never changed in place, so the result stays a valid snapshot."""
+
     def pages(self) -> tuple[list[int], list[int]]:
         """(locked pages, unlocked pages) the cache holds, for integrity checks."""
+        locked: list[int] = []
+        unlocked: list[int] = []
+        for is_locked, run in self.page_runs():
+            (locked if is_locked else unlocked).extend(run)
+        return locked, unlocked
 
     def reset(self) -> list[int]:
         """Drop every unlocked entry; returns the released pages."""

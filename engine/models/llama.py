@@ -1,7 +1,9 @@
 """The decoder-only transformer shared by Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
 
 The model takes a flat batch: all of the step's tokens in one row, with their positions; the
-attention backend and its per-step metadata are passed in, never read from a global.
+attention backend and its per-step metadata are passed in, never read from a global. Under tensor
+parallelism (engine.models.parallel) each rank builds the same model over its own heads, MLP
+slice and vocabulary rows; `ShardLayout` gives the sizes.
 """
 
 from __future__ import annotations
@@ -12,23 +14,19 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.kernels import fused_kernels, invariant_linear, wide_norm
+from engine.models.kernels import fused_kernels, wide_norm
+from engine.models.parallel import (
+    SINGLE,
+    Linear,
+    RowParallelLinear,
+    ShardLayout,
+    TPRank,
+    VocabParallelEmbedding,
+)
 from engine.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from engine.attention.base import AttentionBackend
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose matmul is the batch-invariant Triton kernel when `batch_invariant` is set
-    (CausalLM.set_batch_invariant): each row's result then ignores how many rows came with it."""
-
-    batch_invariant = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            return invariant_linear()(x, self.weight, self.bias)
-        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -69,18 +67,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, shard: ShardLayout, tp: TPRank) -> None:
         super().__init__()
         self.layer_id = layer_id
+        # this rank's heads: all of them on one device
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            shard.heads.q_heads,
+            shard.heads.kv_heads,
             cfg.head_dim,
         )
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -105,10 +104,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ShardLayout, tp: TPRank) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = shard.inter_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -120,10 +120,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, shard: ShardLayout, tp: TPRank) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_id, shard, tp)
+        self.mlp = MLP(cfg, shard, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -152,21 +152,27 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ShardLayout, tp: TPRank) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            shard.vocab_rows, cfg.hidden_size, shard.vocab_start, tp
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """Hidden states for a flat batch, and logits only for the rows that will be sampled."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPRank = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderBody(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.shard = ShardLayout.of(cfg, tp)
+        # the heads this rank attends with: its KV pool and attention backend are sized by them
+        self.num_heads, self.num_kv_heads = self.shard.heads.q_heads, self.shard.heads.kv_heads
+        self.model = DecoderBody(cfg, self.shard, tp)
+        self.lm_head = Linear(cfg.hidden_size, self.shard.vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
@@ -196,5 +202,13 @@ class CausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.batch_invariant = on
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of every row of `hidden`; under tensor parallelism each rank computes its
+        vocabulary rows and rank 0 gathers them (the other ranks get None: they never sample)."""
+        out = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return out
+        parts = self.tp.gather_first(out)
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=-1)[:, : self.config.vocab_size]

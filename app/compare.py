@@ -1,0 +1,131 @@
+"""Two recordings side by side: timelines on aligned axes, one above the other, and a table of
+their headline figures with the difference. Pure: recordings in, figures and rows out.
+
+Each run is drawn from its own start (its first step at time 0 and step 0), and both figures get
+the same x range, so the same place on the page is the same moment of each run. The figures are
+the page's own timeline (`app.figures.timeline_figure`); the numbers are the shared fold's
+summary (`instrumentation.fold.summarize`), the same as the sweep's `summary.csv`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import plotly.graph_objects as go
+
+from app import figures
+from app.derive import XMode
+from app.replay import Recording, ReplaySource
+from app.state import Message, Snapshot
+from instrumentation.fold import Summary, summarize
+
+REQUEST_TIMES = ("t_queued", "t_admitted", "t_first_token", "t_last_token", "t_finished")
+# (label, Summary field) in table order
+METRICS: tuple[tuple[str, str], ...] = (
+    ("TTFT p50 (s)", "ttft_p50_s"),
+    ("TTFT p99 (s)", "ttft_p99_s"),
+    ("ITL p50 (s)", "itl_p50_s"),
+    ("ITL p99 (s)", "itl_p99_s"),
+    ("worst stall (s)", "worst_stall_s"),
+    ("output tokens / s", "output_tok_s"),
+    ("requests", "requests"),
+)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One recording folded to its end and rebased to start at 0."""
+
+    name: str
+    steps: list[Message]
+    requests: list[Message]
+    summary: Summary
+    policy: str | None
+    budget: int | None
+
+
+def folded(recording: Recording) -> Snapshot:
+    """The whole recording folded through the page's store (the same fold as live)."""
+    source = ReplaySource(recording, threaded=False)
+    source.seek_end()
+    return source.store.snapshot()
+
+
+def rebase(steps: Sequence[Message], requests: Sequence[Message]) -> tuple[list, list]:
+    """Copies with the first step at time 0 and numbered 0."""
+    if not steps:
+        return list(steps), list(requests)
+    t_base, n_base = float(steps[0]["t0"]), int(steps[0]["step"])
+    out_steps = [
+        {**s, "t0": s["t0"] - t_base, "t1": s["t1"] - t_base, "step": s["step"] - n_base}
+        for s in steps
+    ]
+    out_reqs = []
+    for r in requests:
+        r = dict(r)
+        for k in REQUEST_TIMES:
+            if isinstance(r.get(k), int | float):
+                r[k] = r[k] - t_base
+        out_reqs.append(r)
+    return out_steps, out_reqs
+
+
+def side(recording: Recording) -> Side:
+    snap = folded(recording)
+    steps, requests = rebase(snap.steps, snap.requests)
+    config = snap.config or {}
+    budget = steps[0].get("budget") if steps else config.get("max_extend_tokens")
+    policy = steps[0].get("policy") if steps else config.get("policy")
+    return Side(recording.name, steps, requests, summarize(recording.messages), policy, budget)
+
+
+def _x_extent(s: Side, x: XMode) -> tuple[float, float]:
+    if not s.steps:
+        return (0.0, 1.0)
+    if x == "time":
+        return (float(s.steps[0]["t0"]), float(s.steps[-1]["t1"]))
+    return (float(s.steps[0]["step"]) - 0.5, float(s.steps[-1]["step"]) + 0.5)
+
+
+def timelines(a: Side, b: Side, x: XMode = "time") -> tuple[go.Figure, go.Figure]:
+    """Each run's timeline (batch composition over its request lanes), on one x range and
+    one batch-size range."""
+    figs = []
+    lo = min(_x_extent(a, x)[0], _x_extent(b, x)[0])
+    hi = max(_x_extent(a, x)[1], _x_extent(b, x)[1])
+    top = max(_batch_peak(a), _batch_peak(b))
+    for label, s in (("A", a), ("B", b)):
+        fig = figures.timeline_figure(s.steps, s.requests, x=x)
+        what = ", ".join(
+            p for p in (s.policy, None if s.budget is None else f"budget {s.budget}") if p
+        )
+        fig.update_layout(
+            title={"text": f"{label}: {s.name}" + (f" ({what})" if what else "")},
+            xaxis={"range": [lo, hi], "autorange": False},
+        )
+        if s.steps and top > 0:
+            fig.update_layout(yaxis={"range": [0, top * 1.08], "autorange": False})
+        figs.append(fig)
+    return figs[0], figs[1]
+
+
+def _batch_peak(s: Side) -> float:
+    """The tallest bar of the batch chart: a step's tokens, or its budget line."""
+    peak = 0.0
+    for step in s.steps:
+        tokens = sum(int(i["end"]) - int(i["start"]) for i in step.get("items") or ())
+        peak = max(peak, tokens, float(step.get("budget") or 0))
+    return peak
+
+
+def table(a: Side, b: Side) -> list[dict[str, Any]]:
+    """One row per headline figure: A, B, B − A and B / A (None where either is missing)."""
+    rows = []
+    for label, name in METRICS:
+        va, vb = getattr(a.summary, name), getattr(b.summary, name)
+        diff = vb - va if va is not None and vb is not None else None
+        ratio = vb / va if va and vb is not None else None
+        rows.append({"metric": label, "A": va, "B": vb, "B − A": diff, "B / A": ratio})
+    return rows

@@ -1,0 +1,1 @@
+"""Live charts drawn in the browser from new steps only (see component.py)."""

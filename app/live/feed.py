@@ -1,0 +1,97 @@
+"""One browser tab's live feed: what its charts already hold, and the batch that extends it.
+
+The browser pulls: after drawing a batch it reports the batch's id (`have`), which reruns the
+charts' fragment, and `LiveFeed.payload` answers with what the store recorded since that
+batch's cursor. History the browser holds is never sent again. A pull from an id this feed does
+not know (a new tab, a remount, a batch lost on the way) gets a reset: the last `window` steps.
+Remembering the last few batches' cursors (and encoder states) lets a browser that missed a
+payload ask again from where it really is.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from app.live.encode import StepEncoder, ended_times, request_rows
+
+RING = 32  # batches a browser may fall behind by and still get a delta, not a reset
+MAX_REQUESTS = 200  # request records a reset carries (the newest)
+
+
+class Delta(Protocol):
+    cursor: int
+    reset: bool
+    steps: list[dict]
+    requests: list[dict]
+    engine: dict | None
+    config: dict | None
+
+
+class DeltaSource(Protocol):
+    def delta(self, cursor: int | None, metrics: bool = True) -> Delta: ...
+
+
+@dataclass(frozen=True)
+class ViewOptions:
+    window: int  # steps the browser keeps
+    xmode: str  # "step" | "time"
+    paused: bool = False
+
+
+class LiveFeed:
+    def __init__(self) -> None:
+        self._ring: OrderedDict[int, tuple[int, StepEncoder, int]] = OrderedDict()
+        self._next_id = 1
+        self.updates = 0  # payloads with new data (for the status line and tests)
+
+    def payload(self, store: DeltaSource, have: int | None, opts: ViewOptions) -> dict[str, Any]:
+        """The data for the component: a batch after `have`, a reset, or nothing new."""
+        entry = self._ring.get(have) if have is not None else None
+        if opts.paused and entry is not None:
+            return {"id": have, "base": have, "paused": True, "window": opts.window}
+        # A wider window needs steps the browser dropped: start again.
+        if entry is None or entry[2] < opts.window:
+            return self._batch(store, None, StepEncoder(), have, opts)
+        cursor, encoder, _ = entry
+        return self._batch(store, cursor, encoder.copy(), have, opts)
+
+    def _batch(
+        self,
+        store: DeltaSource,
+        cursor: int | None,
+        encoder: StepEncoder,
+        have: int | None,
+        opts: ViewOptions,
+    ) -> dict[str, Any]:
+        delta = store.delta(cursor, metrics=False)  # the charts need no per-request metrics
+        reset = cursor is None or delta.reset or len(delta.steps) >= opts.window
+        if reset and cursor is not None:
+            encoder = StepEncoder()
+        steps = delta.steps[-opts.window :] if reset else delta.steps
+        if not reset and not steps and not delta.requests and have is not None:
+            # Nothing new: the same id, so the browser keeps what it has and asks again later.
+            self._ring[have] = (delta.cursor, encoder, opts.window)
+            return {"id": have, "base": have, "window": opts.window, "xmode": opts.xmode}
+        ended = ended_times(delta.requests)
+        body = encoder.encode(steps, ended)
+        batch_id = self._next_id
+        self._next_id += 1
+        self._ring[batch_id] = (delta.cursor, encoder, opts.window)
+        while len(self._ring) > RING:
+            self._ring.popitem(last=False)
+        self.updates += 1
+        engine = delta.engine or {}
+        return {
+            "id": batch_id,
+            "base": None if reset else have,
+            "reset": reset,
+            "paused": opts.paused,  # a page opened while paused draws, but does not pull
+            "window": opts.window,
+            "xmode": opts.xmode,
+            "requests": request_rows(delta.requests, MAX_REQUESTS),
+            "engine": {k: engine.get(k) for k in ("page_size", "num_pages", "model")},
+            "config": delta.config or {},
+            **body,
+        }

@@ -1,0 +1,481 @@
+"""The one fold of the protocol's message stream into steps and requests.
+
+Everything that reads the stream folds it here: the server's recorder (what a late client's
+`hello` carries), the dashboard's store, the trace export, the sweep's summary and the
+Prometheus metrics. So they agree on what a request's TTFT, inter-token latency and worst stall
+are. Pure Python, no torch: the dashboard imports it.
+
+Definitions (docs/protocol.md, "Metrics"):
+- a request's token times are the `t` of its `token` messages (the producing step's `t1`);
+- ITL is the gap between consecutive tokens of one request; TTFT is first token minus queued;
+- a *stall* is a gap between two tokens of a request during which at least one step ran without
+  it (decode skipped); a slow step that included the request is not a stall;
+- output tokens per second: tokens sampled over the span from the first step's `t0` to the last
+  step's `t1`.
+
+The fold also checks the v1.1 delivery facts: `seq` grows by one per broadcast (a jump is a
+`Gap`: messages were lost), and `hello.engine.instance` names the engine (another instance is a
+restart: everything recorded before belongs to the old engine and is dropped).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.metrics import percentile, request_metrics
+
+__all__ = [
+    "ENDED_STATES",
+    "Fold",
+    "Gap",
+    "RequestRecord",
+    "Stall",
+    "Summary",
+    "percentile",
+    "request_metrics",
+    "stalls",
+    "summarize",
+]
+
+Message = dict[str, Any]
+RequestState = Literal["waiting", "running", "finished", "aborted", "rejected"]
+ENDED_STATES: frozenset[str] = frozenset(("finished", "aborted", "rejected"))
+SAMPLING_KINDS: frozenset[str] = frozenset(("prefill", "decode"))
+BROADCAST_TYPES: frozenset[str] = frozenset(("step", "token", "request", "config"))
+# a rough size of what one ended request keeps, for the byte bound of the ended-request memory
+_RECORD_BYTES = 600
+_TOKEN_BYTES = 40  # a float in a list, and its share of the text
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as `hello.history.requests` shows it (PROTOCOL.md plus documented extras)."""
+
+    uid: int
+    state: RequestState = "waiting"
+    prompt_len: int | None = None
+    cached_len: int | None = None
+    output_len: int = 0
+    max_tokens: int | None = None
+    t_queued: float | None = None
+    t_admitted: float | None = None
+    t_first_token: float | None = None
+    t_last_token: float | None = None
+    t_finished: float | None = None
+    finish_reason: str | None = None
+    message: str | None = None
+    source: str | None = None
+    token_times: list[float] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    final_text: str | None = None
+    # the longest stall (see the module doc) and the step number of its last token so far
+    max_stall: float | None = None
+    last_token_step: int | None = None
+    last_token_t1: float | None = None
+    # metrics as a hello reported them, for a record loaded without its token times
+    reported_metrics: dict[str, Any] | None = None
+    # computed once when the request ended: its figures never change, so `hello` never
+    # recomputes them
+    cached_metrics: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.final_text if self.final_text is not None else "".join(self.pieces)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED_STATES
+
+    def metrics(self) -> dict[str, Any] | None:
+        if self.cached_metrics is not None:
+            return self.cached_metrics
+        if len(self.token_times) < self.output_len:  # loaded from a hello: times not known
+            return self.reported_metrics
+        if self.t_queued is None or not self.token_times:
+            return None
+        m = request_metrics(self.t_queued, self.t_admitted, self.token_times)
+        m["max_stall_seconds"] = self.max_stall
+        return m
+
+    def approx_bytes(self) -> int:
+        return _RECORD_BYTES + _TOKEN_BYTES * len(self.token_times) + len(self.text)
+
+    def to_dict(self, metrics: bool = True) -> dict[str, Any]:
+        """`metrics=False` leaves out the metrics and the text (cheap: no pass over the token
+        times), for a caller that redraws often and needs only the scalar fields."""
+        d = {
+            "uid": self.uid,
+            "state": self.state,
+            "prompt_len": self.prompt_len,
+            "cached_len": self.cached_len,
+            "output_len": self.output_len,
+            "max_tokens": self.max_tokens,
+            "t_queued": self.t_queued,
+            "t_admitted": self.t_admitted,
+            "t_first_token": self.t_first_token,
+            "t_last_token": self.t_last_token,
+            "t_finished": self.t_finished,
+            "finish_reason": self.finish_reason,
+            "message": self.message,
+            "source": self.source,
+        }
+        if metrics:
+            d["text"] = self.text
+            d["metrics"] = self.metrics()
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Broadcasts `expected .. got - 1` never arrived."""
+
+    expected: int
+    got: int
+
+    @property
+    def lost(self) -> int:
+        return self.got - self.expected
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Headline figures of a run (the sweep's summary row, the page's metric row)."""
+
+    requests: int
+    finished: int
+    aborted: int
+    rejected: int
+    prompt_tokens: int
+    output_tokens: int
+    duration_s: float | None
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    worst_stall_s: float | None
+    worst_stall_uid: int | None
+    output_tok_s: float | None
+
+
+class Fold:
+    """Feed every message of one connection (or one recording) in order with `apply()`.
+
+    It keeps the last `max_steps` steps (None: all), every request in flight, and ended requests
+    up to `max_ended` of them and `max_ended_bytes` of their token times and text.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_steps: int | None = 2000,
+        max_ended: int = 2000,
+        max_ended_bytes: int = 32 * 2**20,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.steps: deque[Message] = deque(maxlen=max_steps)
+        self.config: dict[str, Any] = dict(config or {})
+        self.engine: dict[str, Any] | None = None
+        self.instance: str | None = None
+        self.seq: int | None = None  # the last broadcast folded
+        self.num_steps = 0  # steps folded since the start (or the last restart)
+        self.lost = 0  # broadcasts missed in gaps, since the start (or the last restart)
+        self.gaps = 0
+        self.restarts = 0
+        self._live: dict[int, RequestRecord] = {}
+        self._ended: OrderedDict[int, RequestRecord] = OrderedDict()
+        self._ended_bytes = 0
+        self._max_ended = max_ended
+        self._max_ended_bytes = max_ended_bytes
+        # every request's sampled tokens and prompt tokens, for the summary (not bounded)
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self._first_t0: float | None = None
+        self._last_t1: float | None = None
+
+    # -- folding -------------------------------------------------------------------------
+    def apply(self, msg: Message) -> Gap | None:
+        """Fold one message; returns the gap it revealed, if its `seq` skipped some."""
+        kind = msg.get("type")
+        if kind == "hello":
+            self.load_hello(msg)
+            return None
+        gap = None
+        seq = msg.get("seq")
+        if kind in BROADCAST_TYPES and isinstance(seq, int):
+            if self.seq is not None:
+                if seq <= self.seq:  # already folded (history overlapping the stream)
+                    return None
+                if seq > self.seq + 1:
+                    gap = Gap(self.seq + 1, seq)
+                    self.gaps += 1
+                    self.lost += gap.lost
+            self.seq = seq
+        if kind == "step":
+            self._on_step(msg)
+        elif kind == "token":
+            self._on_token(msg)
+        elif kind == "request":
+            self._on_request(msg)
+        elif kind == "config":
+            self.config = {k: v for k, v in msg.items() if k not in ("type", "id", "t", "seq")}
+        return gap
+
+    def load_hello(self, hello: Message) -> bool:
+        """Start from a server's `hello`; True if it names another engine instance than the
+        one folded so far (a restart: the old records are dropped)."""
+        engine = dict(hello.get("engine") or {})
+        instance = engine.get("instance")
+        restarted = self.instance is not None and instance != self.instance
+        if restarted:
+            self.restarts += 1
+            self.lost = self.gaps = 0
+        self.steps.clear()
+        self._live.clear()
+        self._ended.clear()
+        self._ended_bytes = 0
+        self.engine, self.instance = engine, instance
+        self.config = dict(hello.get("config") or {})
+        seq = hello.get("seq")
+        self.seq = seq if isinstance(seq, int) else None
+        history = hello.get("history") or {}
+        steps = [s for s in history.get("steps") or [] if isinstance(s, dict)]
+        self.steps.extend(steps)
+        self.num_steps = len(self.steps)
+        self.prompt_tokens = self.output_tokens = 0
+        self._first_t0 = self._last_t1 = None
+        for step in steps:
+            self._count(step)
+        for row in history.get("requests") or []:
+            rec = _record_from_dict(row)
+            if rec.ended:
+                self._remember_ended(rec)
+            else:
+                self._live[rec.uid] = rec
+        return restarted
+
+    def _count(self, step: Message) -> None:
+        t0, t1 = step.get("t0"), step.get("t1")
+        if self._first_t0 is None and isinstance(t0, int | float):
+            self._first_t0 = float(t0)
+        if isinstance(t1, int | float):
+            self._last_t1 = float(t1)
+        for item in step.get("items") or ():
+            if item.get("wasted"):
+                continue
+            kind = item.get("kind")
+            if kind == "decode":
+                self.output_tokens += 1
+            else:
+                self.prompt_tokens += int(item["end"]) - int(item["start"])
+                if kind == "prefill":
+                    self.output_tokens += 1
+        # aggregate steps (watched engines) carry counts instead of items
+        if not step.get("items"):
+            self.prompt_tokens += int(step.get("prompt_tokens") or 0)
+            self.output_tokens += int(step.get("decode_requests") or 0)
+
+    def _on_step(self, msg: Message) -> None:
+        self.steps.append(msg)
+        self.num_steps += 1
+        self._count(msg)
+        number, t1 = msg.get("step"), msg.get("t1")
+        if not isinstance(number, int) or not isinstance(t1, int | float):
+            return
+        for item in msg.get("items") or ():
+            if item.get("kind") not in SAMPLING_KINDS or item.get("wasted"):
+                continue
+            rec = self._live.get(item["uid"])
+            if rec is None:
+                continue
+            if rec.last_token_step is not None and number - rec.last_token_step > 1:
+                gap = float(t1) - float(rec.last_token_t1 or 0.0)
+                if rec.max_stall is None or gap > rec.max_stall:
+                    rec.max_stall = gap
+            rec.last_token_step, rec.last_token_t1 = number, float(t1)
+
+    def _on_token(self, msg: Message) -> None:
+        rec = self._live.get(msg["uid"])
+        if rec is None:  # its queued event predates what we saw; nothing to attach to
+            return
+        rec.token_times.append(msg["t"])
+        rec.t_last_token = msg["t"]
+        rec.pieces.append(msg.get("text", ""))
+        rec.output_len += 1
+
+    def _on_request(self, msg: Message) -> None:
+        uid, event, t = msg["uid"], msg["event"], msg.get("t")
+        rec = self._live.get(uid)
+        if rec is None:
+            if uid in self._ended:  # a late duplicate for an ended request changes nothing
+                return
+            rec = self._live[uid] = RequestRecord(uid)
+        if event == "queued":
+            rec.t_queued = t
+            rec.prompt_len = msg.get("prompt_len", rec.prompt_len)
+            rec.max_tokens = msg.get("max_tokens", rec.max_tokens)
+            rec.source = msg.get("source", rec.source)
+        elif event == "admitted":
+            rec.state = "running"
+            rec.t_admitted = t
+            rec.cached_len = msg.get("cached_len", rec.cached_len)
+        elif event == "first_token":
+            rec.t_first_token = t
+            if rec.state == "waiting":
+                rec.state = "running"
+        elif event in ENDED_STATES:
+            rec.state = event
+            rec.t_finished = t
+            rec.finish_reason = msg.get("finish_reason")
+            rec.message = msg.get("message")
+            if "output_len" in msg:
+                rec.output_len = msg["output_len"]
+            if "text" in msg:
+                rec.final_text = msg["text"]
+            rec.cached_metrics = rec.metrics()
+            rec.final_text = rec.text
+            rec.pieces = []
+            del self._live[uid]
+            self._remember_ended(rec)
+
+    def _remember_ended(self, rec: RequestRecord) -> None:
+        self._ended[rec.uid] = rec
+        self._ended_bytes += rec.approx_bytes()
+        while self._ended and (
+            len(self._ended) > self._max_ended or self._ended_bytes > self._max_ended_bytes
+        ):
+            _, old = self._ended.popitem(last=False)
+            self._ended_bytes -= old.approx_bytes()
+
+    # -- reading -------------------------------------------------------------------------
+    def get(self, uid: int) -> RequestRecord | None:
+        return self._live.get(uid) or self._ended.get(uid)
+
+    def requests(self) -> list[RequestRecord]:
+        """Recently ended requests, then live ones, each group oldest first."""
+        return [*self._ended.values(), *self._live.values()]
+
+    def live_requests(self) -> list[RequestRecord]:
+        return list(self._live.values())
+
+    @property
+    def ended_bytes(self) -> int:
+        return self._ended_bytes
+
+    def history(self) -> dict[str, Any]:
+        """`hello.history`: the kept steps and request records."""
+        return {
+            "steps": list(self.steps),
+            "requests": [rec.to_dict() for rec in self.requests()],
+        }
+
+    def summary(self) -> Summary:
+        """Headline figures over the remembered requests and the steps since the start."""
+        recs = self.requests()
+        ttfts: list[float] = []
+        itls: list[float] = []
+        worst: tuple[float, int] | None = None
+        for rec in recs:
+            if rec.t_first_token is not None and rec.t_queued is not None:
+                ttfts.append(rec.t_first_token - rec.t_queued)
+            times = rec.token_times
+            itls.extend(b - a for a, b in zip(times, times[1:], strict=False))
+            if rec.max_stall is not None and (worst is None or rec.max_stall > worst[0]):
+                worst = (rec.max_stall, rec.uid)
+        span = None
+        if self._first_t0 is not None and self._last_t1 is not None:
+            span = self._last_t1 - self._first_t0
+        return Summary(
+            requests=len(recs),
+            finished=sum(r.state == "finished" for r in recs),
+            aborted=sum(r.state == "aborted" for r in recs),
+            rejected=sum(r.state == "rejected" for r in recs),
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            duration_s=span,
+            ttft_p50_s=percentile(ttfts, 50),
+            ttft_p99_s=percentile(ttfts, 99),
+            itl_p50_s=percentile(itls, 50),
+            itl_p99_s=percentile(itls, 99),
+            worst_stall_s=worst[0] if worst else None,
+            worst_stall_uid=worst[1] if worst else None,
+            output_tok_s=self.output_tokens / span if span else None,
+        )
+
+
+def summarize(messages: Iterable[Message]) -> Summary:
+    """Fold a whole recording (e.g. a `--trace` JSONL) and summarize it; nothing is dropped."""
+    fold = Fold(max_steps=None, max_ended=2**62, max_ended_bytes=2**62)
+    for msg in messages:
+        fold.apply(msg)
+    return fold.summary()
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """Steps `[first, last]` (indices into the step list) in which request `uid`, already
+    sampling, got no token; `seconds` from its token before to its token after (or to the last
+    step, if it is still waiting: `ongoing`)."""
+
+    uid: int
+    first: int
+    last: int
+    seconds: float
+    ongoing: bool
+
+
+def token_steps(steps: Sequence[Message]) -> dict[int, list[int]]:
+    """For each request, the indices of the steps in which it sampled a token."""
+    out: dict[int, list[int]] = {}
+    for i, step in enumerate(steps):
+        for item in step.get("items") or ():
+            if item["kind"] in SAMPLING_KINDS and not item.get("wasted"):
+                out.setdefault(item["uid"], []).append(i)
+    return out
+
+
+def stalls(
+    steps: Sequence[Message],
+    running: Iterable[int] = (),
+    sampled: dict[int, list[int]] | None = None,
+) -> list[Stall]:
+    """Every stall within `steps`; a request in `running` whose last token is before the last
+    step is stalled still (`ongoing`). `sampled` is `token_steps(steps)`, if already known."""
+    if not steps:
+        return []
+    sampled = token_steps(steps) if sampled is None else sampled
+    numbers = [s["step"] for s in steps]
+    running = set(running)
+    last = len(steps) - 1
+    out: list[Stall] = []
+    for uid, toks in sampled.items():
+        for a, b in zip(toks, toks[1:], strict=False):
+            if numbers[b] - numbers[a] > 1:
+                out.append(Stall(uid, a + 1, b - 1, steps[b]["t1"] - steps[a]["t1"], False))
+        if toks and toks[-1] < last and uid in running:
+            secs = steps[last]["t1"] - steps[toks[-1]]["t1"]
+            out.append(Stall(uid, toks[-1] + 1, last, secs, True))
+    return out
+
+
+def _record_from_dict(row: dict[str, Any]) -> RequestRecord:
+    rec = RequestRecord(uid=row["uid"], state=row.get("state", "waiting"))
+    for name in (
+        "prompt_len", "cached_len", "max_tokens", "t_queued", "t_admitted", "t_first_token",
+        "t_last_token", "t_finished", "finish_reason", "message", "source",
+    ):  # fmt: skip
+        setattr(rec, name, row.get(name))
+    rec.output_len = row.get("output_len") or 0
+    metrics = row.get("metrics")
+    rec.reported_metrics = metrics
+    if rec.ended:
+        rec.cached_metrics = metrics
+    if metrics:
+        rec.max_stall = metrics.get("max_stall_seconds")
+    if rec.ended:
+        rec.final_text = row.get("text")
+    else:  # still generating: later token texts append to what was shown so far
+        rec.pieces.append(row.get("text") or "")
+    return rec
