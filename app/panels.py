@@ -340,7 +340,9 @@ def latency_view(snap: Snapshot) -> None:
 
 
 def _abort(link: EngineLink, uid: int) -> None:
-    session.send(link, controls.abort(uid), f"abort request {uid}")  # v1.1 acknowledges it
+    session.send(
+        link, controls.abort(uid), f"abort request {uid}", toast=True
+    )  # v1.1 acknowledges it
 
 
 def request_source(record: Message) -> str:

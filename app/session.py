@@ -37,12 +37,16 @@ def notices() -> list[Notice]:
     return st.session_state.setdefault("notices", [])
 
 
-def notify(ok: bool, text: str) -> None:
-    """Record a command's outcome for this tab's status line (shown as a toast, too)."""
+def notify(ok: bool, text: str, toast: bool = False) -> None:
+    """Record a command's outcome for this tab's status line. `toast` repeats it in the corner,
+    for controls far below that line (Abort): a toast elsewhere would cover the form's Submit
+    button, and one under the pointer never expires."""
     items = notices()
     items.append(Notice(ok, text))
     del items[:-MAX_NOTICES]
-    st.session_state["unshown_toasts"] = [*st.session_state.get("unshown_toasts", []), (ok, text)]
+    if toast:
+        unshown = st.session_state.get("unshown_toasts", [])
+        st.session_state["unshown_toasts"] = [*unshown, (ok, text)]
     # The status line lives outside the fragments: a control inside one (Abort) reruns only its
     # fragment, which then asks for the whole page (`show_notices_now`).
     st.session_state["notice_unshown"] = True
@@ -54,15 +58,15 @@ def show_notices_now() -> None:
         st.rerun()
 
 
-def send(link: EngineLink, command: Message, what: str) -> Message | None:
+def send(link: EngineLink, command: Message, what: str, toast: bool = False) -> Message | None:
     """Send a command, wait for its reply, and report the outcome as a notice."""
     try:
         reply = link.request(command)
     except NotConnected as exc:
-        notify(False, f"{what}: {exc}")
+        notify(False, f"{what}: {exc}", toast)
         return None
     ok, text = controls.describe_reply(reply, command)
-    notify(ok, f"{what}: {text}")
+    notify(ok, f"{what}: {text}", toast)
     return reply
 
 

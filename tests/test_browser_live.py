@@ -306,58 +306,77 @@ SUMMARY_JS = """() => {
 }"""
 
 
-@pytest.mark.skipif(
-    os.environ.get("CI") == "true",
-    reason="flaky on CI (one run in three timed out waiting for the first map after the abort); "
-    "the engine side is tests/test_app_kvmap.py; issue 13 keeps it",
-)
-def test_kv_page_map_marks_shared_pages_and_frees_an_aborted_request(tiny_llama_dir: Path) -> None:
+def _submit_ids(ws: object, cid: str, ids: list[int], max_tokens: int) -> int:
+    """Submit token ids over the protocol and return the request's uid."""
+    cmd = {"type": "submit", "id": cid, "input_ids": ids, "max_tokens": max_tokens}
+    ws.send(json.dumps({**cmd, "ignore_eos": True}))  # type: ignore[attr-defined]
+    while True:
+        msg = json.loads(ws.recv())  # type: ignore[attr-defined]
+        if msg.get("type") == "accepted" and msg.get("id") == cid:
+            return int(msg["uid"])
+        assert not (msg.get("type") == "error" and msg.get("id") == cid), msg
+
+
+def test_kv_page_map_marks_shared_pages_and_frees_an_aborted_request(
+    tiny_llama_long_dir: Path,
+) -> None:
+    """A short request leaves a 256-token prefix in the radix cache; two long requests that
+    start with it both hit it, and the map marks those pages shared. Aborting one frees its own
+    cells in the first map read after the abort, while the other keeps its."""
     from websockets.sync.client import connect
 
-    flags = ("--max-extend-tokens", "64", "--policy", "mixed", "--num-pages", "3000")
+    flags = ("--max-extend-tokens", "64", "--policy", "mixed", "--num-pages", "20000")
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 40000) for _ in range(256)]
+
+    def suffix() -> list[int]:
+        return [rng.randrange(3, 40000) for _ in range(40)]
+
     with (
-        running_engine(tiny_llama_dir, *flags) as engine,
+        running_engine(tiny_llama_long_dir, *flags) as engine,
         running_app(engine) as app,
         browser_page(app) as (_, page),
+        connect(engine, max_size=2**27) as ws,
     ):
+        ws.recv()  # hello
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
-        page.get_by_role("button", name="Shared system prompt").click()
         _open_tab(page, "KV page map")
-        page.wait_for_function(f"() => {{ const s = ({SUMMARY_JS})(); return s && s.shared > 0; }}")
+        seed = _submit_ids(ws, "seed", prefix + suffix(), 1)
+        while True:  # its prompt is in the prefix cache once it finished
+            msg = json.loads(ws.recv())
+            if msg.get("type") == "request" and msg.get("uid") == seed:
+                if msg.get("event") == "finished":
+                    break
+        # long enough to outlast the test on any machine; both are aborted below
+        first = _submit_ids(ws, "a", prefix + suffix(), 6000)
+        second = _submit_ids(ws, "b", prefix + suffix(), 6000)
+        page.wait_for_function(
+            f"() => {{ const s = ({SUMMARY_JS})(); return s && s.shared >= 256 "
+            f"&& (s.owners['{first}'] || 0) > 0 && (s.owners['{second}'] || 0) > 0; }}"
+        )
         if SHOTS:
             page.mouse.move(5, 1200)
             page.locator(".stepscope-kvmap").screenshot(path=str(Path(SHOTS) / "kv-page-map.png"))
-        # a long request holds pages; abort it and its cells go within one update
-        with connect(engine, max_size=2**27) as ws:
-            ws.recv()  # hello
-            ids = [random.Random(5).randrange(3, 40000) for _ in range(300)]
-            ws.send(json.dumps({"type": "submit", "id": "long", "input_ids": ids,
-                                "max_tokens": 600, "ignore_eos": True}))  # fmt: skip
-            uid = None
-            while uid is None:
-                msg = json.loads(ws.recv())
-                if msg.get("type") == "accepted" and msg.get("id") == "long":
-                    uid = msg["uid"]
-            page.wait_for_function(
-                f"() => {{ const s = ({SUMMARY_JS})(); return s && (s.owners['{uid}'] || 0) > 0; }}"
-            )
-            ws.send(json.dumps({"type": "abort", "id": "x", "uid": uid}))
-            while True:  # the broadcast `aborted` event says when the engine let it go
-                msg = json.loads(ws.recv())
-                if msg.get("type") == "request" and msg.get("event") == "aborted":
-                    t_abort = msg["t"]
-                    break
-            # the first page map read after the abort no longer shows it
-            page.wait_for_function(f"() => ({SUMMARY_JS})().t > {t_abort}")
-            first_after = page.evaluate(SUMMARY_JS)
-            assert str(uid) not in first_after["owners"]
+        ws.send(json.dumps({"type": "abort", "id": "x", "uid": second}))
+        while True:  # the broadcast `aborted` event says when the engine let it go
+            msg = json.loads(ws.recv())
+            if msg.get("type") == "request" and msg.get("event") == "aborted":
+                t_abort = msg["t"]
+                break
+        # the first page map read after the abort no longer shows it; the other still holds its
+        page.wait_for_function(f"() => ({SUMMARY_JS})().t > {t_abort}")
+        first_after = page.evaluate(SUMMARY_JS)
+        assert str(second) not in first_after["owners"]
+        assert first_after["owners"].get(str(first), 0) > 0
+        ws.send(json.dumps({"type": "abort", "id": "y", "uid": first}))
 
 
 def test_abort_button_shows_success(page_url_busy: str) -> None:
     with browser_page(page_url_busy) as (_, page):
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
         page.get_by_text("ignore EOS").click()
-        submit(page, "Tell me a very long story about the sea. " * 3, 900)
+        # 8,000 tokens: the request is still decoding when the button is clicked, on any machine
+        submit(page, "Tell me a very long story about the sea. " * 3, LONG_TOKENS)
         sync_api.expect(status_line(page, "submitted: request 0")).to_be_visible()
         _open_tab(page, "Requests")
         act_until(
@@ -368,10 +387,22 @@ def test_abort_button_shows_success(page_url_busy: str) -> None:
         assert page.get_by_test_id("stAlertContentError").count() == 0
 
 
+LONG_TOKENS = 8000
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_long_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny Llama with an 8,192-token context: room for a request that outlasts a click."""
+    from tests.models import make_tiny
+
+    path = tmp_path_factory.mktemp("tiny-llama-long")
+    return make_tiny("llama", path, smollm2_dir, max_position_embeddings=8192)
+
+
 @pytest.fixture
-def page_url_busy(tiny_llama_dir: Path) -> Iterator[str]:
+def page_url_busy(tiny_llama_long_dir: Path) -> Iterator[str]:
     with (
-        running_engine(tiny_llama_dir, "--max-extend-tokens", "32") as engine,
+        running_engine(tiny_llama_long_dir, "--max-extend-tokens", "32") as engine,
         running_app(engine) as app,
     ):
         yield app
