@@ -3,14 +3,18 @@ and the per-tab feed that answers the browser's pulls from the store's deltas.""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from app.derive import stalled_per_step, stalls, tracks
-from app.live.encode import KINDS, PHASES, StepEncoder, ended_times
+from app.live.encode import KINDS, PHASES, StepEncoder, ended_times, unpack
 from app.live.feed import LiveFeed, ViewOptions
 from app.state import EventStore
 from tests.app_peer import synthetic_trace
@@ -55,6 +59,88 @@ def test_items_stack_decodes_first_then_prompt_then_wasted_work() -> None:
     assert (s["prompt"], s["decode"], s["wasted"], s["sampled"]) == ([10], [2], [1], [2])
     assert PHASES[s["phase"][0]] == "mixed" and s["step"] == [3] and s["budget"] == [16]
     assert (s["used"], s["cached"], s["free"], s["reserved"]) == ([10], [5], [85], [30])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_items_unpack_to_the_same_columns_batch_by_batch(seed: int) -> None:
+    messages = synthetic_trace(400, seed_every=50)
+    steps = [m for m in messages if m["type"] == "step"]
+    rng = random.Random(seed)
+    for s in rng.sample(steps, 20):  # wasted work and odd items, as the engine can send them
+        for it in s["items"]:
+            if rng.random() < 0.3:
+                it["wasted"] = True
+    encoder = StepEncoder()
+    for batch in _split(steps, rng):
+        ref = dict(encoder.ref)
+        out = encoder.encode(batch, {})
+        assert unpack(out["packed"], ref) == out["items"]
+
+
+LIVE_JS = Path(__file__).resolve().parents[1] / "app" / "live" / "static" / "live.js"
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+def test_the_browser_unpacks_batches_as_the_format_defines() -> None:
+    """live.js's unpackItems (run in Node) against encode.unpack, batch by batch, with the
+    decode stack carried from one batch to the next as the browser carries it."""
+    messages = synthetic_trace(300, seed_every=40)
+    steps = [m for m in messages if m["type"] == "step"]
+    rng = random.Random(3)
+    for s in rng.sample(steps, 15):
+        s["items"][0]["wasted"] = True
+    encoder, batches = StepEncoder(), []
+    for batch in _split(steps, rng):
+        batches.append((dict(encoder.ref), encoder.encode(batch, {})))
+    script = (
+        "globalThis.window = globalThis; require(process.argv[1]);"
+        "const batches = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+        "let ref = new Map();"
+        "const out = batches.map((pk) => { const u = window.stepscopeLive.unpackItems(pk, ref);"
+        " ref = u.ref; return u.cols; });"
+        "console.log(JSON.stringify(out));"
+    )
+    done = subprocess.run(
+        ["node", "-e", script, str(LIVE_JS)],
+        input=json.dumps([b["packed"] for _, b in batches]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    got = json.loads(done.stdout)
+    assert got == [unpack(b["packed"], ref) for ref, b in batches]
+    assert got == [b["items"] for _, b in batches]
+
+
+def test_steady_decoding_packs_to_almost_nothing_and_keeps_each_request_in_place() -> None:
+    steps = [
+        _step(0, [_item(u, "decode", 10, 11) for u in (5, 6, 7)]),
+        _step(1, [_item(u, "decode", 11, 12) for u in (7, 6, 5)]),  # record order differs
+        _step(2, [_item(u, "decode", 12, 13) for u in (5, 7)] + [_item(9, "chunk", 0, 8)]),
+        _step(3, [_item(9, "chunk", 8, 16)]),  # prefill-first: no decode this step
+        _step(4, [_item(u, "decode", 13, 14) for u in (5, 7)] + [_item(8, "decode", 3, 4)]),
+    ]
+    out = StepEncoder().encode(steps, {})
+    pk = out["packed"]
+    assert pk[0] == {"da": [5, 10, 6, 10, 7, 10]} and pk[1] == {}
+    assert pk[2] == {"dd": [6], "p": [9, 0, 0, 8, 0]} and pk[3] == {"n": 1, "p": [9, 0, 8, 16, 0]}
+    assert pk[4] == {"da": [8, 3]}
+    it = out["items"]
+    by_step = [[u for u, i in zip(it["uid"], it["i"], strict=True) if i == k] for k in range(5)]
+    assert by_step == [[5, 6, 7], [5, 6, 7], [5, 7, 9], [9], [5, 7, 8]]  # the stack is kept
+    assert unpack(pk, {}) == it
+
+
+def test_request_rows_are_sent_when_what_the_charts_read_changed() -> None:
+    enc = StepEncoder()
+    queued = {"uid": 1, "state": "waiting", "t_queued": 0.5, "output_len": 0}
+    assert enc.request_rows([queued], 10) == [[1, "waiting", 0.5, None, None]]
+    assert enc.request_rows([{**queued, "output_len": 3}], 10) == []  # a new token: no row
+    running = {**queued, "state": "running", "t_first_token": 0.75}
+    assert enc.request_rows([running], 10) == [[1, "running", 0.5, 0.75, None]]
+    done = {**running, "state": "finished", "t_finished": 2.0}
+    assert enc.request_rows([done], 10) == [[1, "finished", 0.5, 0.75, 2.0]]
+    assert 1 not in enc.rows  # ended: sent once, then forgotten
 
 
 def _split(seq: list, rng: random.Random) -> list[list]:
@@ -166,7 +252,8 @@ def test_the_feed_sends_each_step_once_and_nothing_when_nothing_is_new() -> None
     second = feed.payload(eng.store, first["id"], OPTS)
     assert not second["reset"] and second["base"] == first["id"]
     assert _numbers(second) == [80, 81, 82]
-    assert len(second["items"]["uid"]) == 6  # only the new steps' items: work ∝ what is new
+    assert len(second["packed"]) == 3  # only the new steps' items: work ∝ what is new
+    assert unpack(second["packed"], {0: 90, 1: 90})["a"] == [90, 90, 91, 91, 92, 92]
     idle = feed.payload(eng.store, second["id"], OPTS)
     assert idle["id"] == second["id"] and "steps" not in idle
     eng.steps(2)

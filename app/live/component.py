@@ -25,8 +25,18 @@ STATIC = Path(__file__).resolve().parent / "static"
 PLOTLY_DIR = Path(plotly.__file__).resolve().parent / "package_data"
 _assets = v1.declare_component("assets", path=str(STATIC))
 _plotlyjs = v1.declare_component("plotlyjs", path=str(PLOTLY_DIR))
+
+
+
+def _minified(js: str) -> str:
+    """The loader without its comments and indentation: Streamlit re-sends it with every update
+    (measured: 1.1 KB of each 2.7 KB update before, a third of that after)."""
+    lines = (line.strip() for line in js.splitlines())
+    return "\n".join(line for line in lines if line and not line.startswith("//"))
+
+
 _component = v2.component(
-    "stepscope.live", js=(STATIC / "loader.js").read_text(), isolate_styles=False
+    "stepscope.live", js=_minified((STATIC / "loader.js").read_text()), isolate_styles=False
 )
 
 # The browser asks for the next batch at most this often (5 a second), and waits a little longer

@@ -7,6 +7,12 @@ for the zoomed-out level of detail, and which decoding requests a step left out 
 The encoder carries only what spans batches (each decoding request's last token), so its work
 is proportional to the new steps, never to what is in view. It is pure: tested without a
 browser (tests/test_app_live.py).
+
+On the wire a step's items are packed (`packed`, see `unpack`): at batch 64 a step is 64
+one-token decodes of the same requests as the step before, so each step says only how its
+decode set differs from the previous one (who left, who joined and at which position, whose
+work was wasted) and lists its prompt pieces. Decodes keep their place in the stack from step
+to step (oldest decoder at the bottom), so a request's band runs straight across the chart.
 """
 
 from __future__ import annotations
@@ -20,17 +26,9 @@ Message = dict[str, Any]
 PHASES = ("prefill", "decode", "mixed")
 KINDS = ("chunk", "prefill", "decode")  # the item kind codes sent to the browser
 SAMPLING = frozenset({"prefill", "decode"})
-REQUEST_FIELDS = (
-    "uid",
-    "state",
-    "prompt_len",
-    "cached_len",
-    "output_len",
-    "max_tokens",
-    "t_queued",
-    "t_first_token",
-    "t_finished",
-)
+# what the charts read of a request (its lanes: waiting, first token, end); a row is sent again
+# only when one of these changed, not for every token
+REQUEST_FIELDS = ("uid", "state", "t_queued", "t_first_token", "t_finished")
 ENDED = frozenset({"finished", "aborted", "rejected"})
 EPS = 1e-9
 
@@ -57,6 +55,9 @@ class StepEncoder:
     ended_at: dict[int, float] = field(default_factory=dict)  # decoding requests that ended
     last_step: int | None = None
     last_t1: float = 0.0
+    # the decode stack of the last step that had decodes: uid -> its next position, in order
+    ref: dict[int, int] = field(default_factory=dict)
+    rows: dict[int, tuple] = field(default_factory=dict)  # request rows as last sent
 
     def copy(self) -> StepEncoder:
         # by hand: deepcopy costs more than encoding a batch
@@ -65,7 +66,25 @@ class StepEncoder:
             dict(self.ended_at),
             self.last_step,
             self.last_t1,
+            dict(self.ref),
+            dict(self.rows),
         )
+
+    def request_rows(self, requests: Iterable[Message], limit: int) -> list[list]:
+        """The rows of REQUEST_FIELDS that changed since this encoder last sent them (at most
+        the newest `limit`); an ended request's row is sent once, then forgotten."""
+        out = []
+        for r in requests:
+            row = tuple(_round(r.get(k)) for k in REQUEST_FIELDS)
+            uid = row[0]
+            if self.rows.get(uid) == row:
+                continue
+            out.append(list(row))
+            if r.get("state") in ENDED:
+                self.rows.pop(uid, None)
+            else:
+                self.rows[uid] = row
+        return out[-limit:]
 
     def encode(self, steps: Sequence[Message], ended: Mapping[int, float]) -> dict[str, Any]:
         """Columns for `steps` (oldest first, all after the previous batch's).
@@ -81,11 +100,12 @@ class StepEncoder:
                 "sampled",
             )
         }  # fmt: skip
-        items: dict[str, list] = {k: [] for k in ("i", "uid", "kind", "a", "b", "base", "w")}
+        items: dict[str, list] = {k: [] for k in ITEM_FIELDS}
+        packed: list[dict[str, Any]] = []
         stalls: list[list] = []
         self.ended_at.update(ended)
         for i, s in enumerate(steps):
-            self._step(i, s, cols, items, stalls)
+            self._step(i, s, cols, items, packed, stalls)
         for uid in [u for u, t in self.ended_at.items() if t <= self.last_t1 + EPS]:
             self.decoding.pop(uid, None)
         # what is left ended after the last step (its stall is not over) or never decoded
@@ -95,7 +115,60 @@ class StepEncoder:
             for uid, o in self.decoding.items()
             if o.skipped_from is not None
         ]
-        return {"steps": cols, "items": items, "stalls": stalls, "ongoing": ongoing}
+        return {
+            "steps": cols,
+            "items": items,
+            "packed": packed,
+            "stalls": stalls,
+            "ongoing": ongoing,
+        }
+
+    def _pack(self, step_items: Sequence[Message]) -> tuple[list[Message], dict[str, Any]]:
+        """This step's items in stack order, and their packed form (see `unpack`)."""
+        dec = [it for it in step_items if it["kind"] == "decode" and _len(it) == 1]
+        by_uid = {int(it["uid"]): it for it in dec}
+        if len(by_uid) < len(dec):  # a request twice in one step: no stack to keep
+            dec, by_uid = [], {}
+        in_stack = {id(it) for it in dec}
+        other = [it for it in step_items if id(it) not in in_stack]
+        pack: dict[str, Any] = {}
+        if dec:
+            kept = [u for u, nxt in self.ref.items() if u in by_uid and _start(by_uid[u]) == nxt]
+            kept_set = set(kept)
+            added = [it for it in dec if int(it["uid"]) not in kept_set]
+            dropped = [u for u in self.ref if u not in kept_set]
+            self.ref = {u: self.ref[u] + 1 for u in kept}
+            for it in added:
+                self.ref[int(it["uid"])] = _start(it) + 1
+            if dropped:
+                pack["dd"] = dropped
+            if added:
+                pack["da"] = [v for it in added for v in (int(it["uid"]), _start(it))]
+            stack = [by_uid[u] for u in self.ref]
+            waste = [int(it["uid"]) for it in stack if it.get("wasted")]
+            if waste:
+                pack["dw"] = waste
+        else:
+            stack = []
+            if self.ref:
+                pack["n"] = 1  # no decodes this step; the stack is kept for the next
+        if other:
+            pack["p"] = [
+                v
+                for it in other
+                for v in (
+                    int(it["uid"]),
+                    KINDS.index(it["kind"]),
+                    _start(it),
+                    int(it["end"]),
+                    1 if it.get("wasted") else 0,
+                )
+            ]
+        live = [it for it in stack if not it.get("wasted")]
+        done = [it for it in stack if it.get("wasted")]
+        order = live + [it for it in other if not it.get("wasted")]
+        order += done + [it for it in other if it.get("wasted")]
+        return order, pack
 
     def _step(
         self,
@@ -103,17 +176,17 @@ class StepEncoder:
         s: Message,
         cols: dict[str, list],
         items: dict[str, list],
+        packed: list[dict[str, Any]],
         stalls: list[list],
     ) -> None:
         number, t0, t1 = int(s["step"]), float(s["t0"]), float(s["t1"])
         kv, queue = s.get("kv") or {}, s.get("queue") or {}
-        # Decodes at the bottom, prompt pieces above them, work wasted on ended requests on top.
-        ordered = sorted(
-            s["items"], key=lambda it: (bool(it.get("wasted")), it["kind"] != "decode")
-        )
+        order, pack = self._pack(s["items"])
+        packed.append(pack)
+        # Decodes at the bottom (in the stack's order), prompt pieces above, wasted work on top.
         base = prompt = decode = wasted = 0
         sampled: set[int] = set()
-        for it in ordered:
+        for it in order:
             n = int(it["end"]) - int(it["start"])
             w = bool(it.get("wasted"))
             items["i"].append(i)
@@ -169,6 +242,46 @@ class StepEncoder:
             cols[key].append(value)
 
 
+def _start(it: Message) -> int:
+    return int(it["start"])
+
+
+def _len(it: Message) -> int:
+    return int(it["end"]) - int(it["start"])
+
+
+ITEM_FIELDS = ("i", "uid", "kind", "a", "b", "base", "w")
+
+
+def unpack(packed: Sequence[Mapping[str, Any]], ref: Mapping[int, int]) -> dict[str, list]:
+    """The item columns of `encode` from its packed steps, given the decode stack before them
+    (`ref`: uid -> next position, in stack order). The browser runs the same steps
+    (unpackItems in live.js); this one is the format's definition, for the tests."""
+    stack = dict(ref)
+    items: dict[str, list] = {k: [] for k in ITEM_FIELDS}
+    for i, pk in enumerate(packed):
+        rows: list[tuple[int, int, int, int, int]] = []  # uid, kind, a, b, wasted
+        if not pk.get("n") and (stack or pk.get("da")):
+            for u in pk.get("dd", []):
+                del stack[u]
+            da = pk.get("da", [])
+            for k in range(0, len(da), 2):
+                stack[da[k]] = da[k + 1]
+            waste = set(pk.get("dw", []))
+            rows = [(u, 2, a, a + 1, 1 if u in waste else 0) for u, a in stack.items()]
+            stack = {u: a + 1 for u, a in stack.items()}
+        p = pk.get("p", [])
+        others = [tuple(p[k : k + 5]) for k in range(0, len(p), 5)]
+        ordered = [r for r in rows if not r[4]] + [r for r in others if not r[4]]
+        ordered += [r for r in rows if r[4]] + [r for r in others if r[4]]
+        base = 0
+        for uid, kind, a, b, w in ordered:
+            for key, v in zip(ITEM_FIELDS, (i, uid, kind, a, b, base, w), strict=True):
+                items[key].append(v)
+            base += b - a
+    return items
+
+
 def ended_times(requests: Iterable[Message]) -> dict[int, float]:
     """Requests that ended, with the time they did."""
     out: dict[int, float] = {}
@@ -177,12 +290,6 @@ def ended_times(requests: Iterable[Message]) -> dict[int, float]:
             t = r.get("t_finished")
             out[int(r["uid"])] = float(t) if t is not None else float("-inf")
     return out
-
-
-def request_rows(requests: Iterable[Message], limit: int) -> list[list]:
-    """The newest `limit` request records, as rows of REQUEST_FIELDS (no text: it is large)."""
-    rows = [[_round(r.get(k)) for k in REQUEST_FIELDS] for r in requests]
-    return rows[-limit:]
 
 
 def _round(v: Any) -> Any:

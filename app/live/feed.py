@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.live.encode import StepEncoder, ended_times, request_rows
+from app.live.encode import StepEncoder, ended_times
 
 RING = 32  # batches a browser may fall behind by and still get a delta, not a reset
 MAX_REQUESTS = 200  # request records a reset carries (the newest)
@@ -76,6 +76,7 @@ class LiveFeed:
             return {"id": have, "base": have, "window": opts.window, "xmode": opts.xmode}
         ended = ended_times(delta.requests)
         body = encoder.encode(steps, ended)
+        del body["items"]  # the browser unpacks `packed` into the same columns
         batch_id = self._next_id
         self._next_id += 1
         self._ring[batch_id] = (delta.cursor, encoder, opts.window)
@@ -90,7 +91,7 @@ class LiveFeed:
             "paused": opts.paused,  # a page opened while paused draws, but does not pull
             "window": opts.window,
             "xmode": opts.xmode,
-            "requests": request_rows(delta.requests, MAX_REQUESTS),
+            "requests": encoder.request_rows(delta.requests, MAX_REQUESTS),
             "engine": {k: engine.get(k) for k in ("page_size", "num_pages", "model")},
             "config": delta.config or {},
             **body,

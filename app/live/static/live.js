@@ -13,8 +13,8 @@
     "reserved", "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled"];
   const ITEM_COLS = ["step", "uid", "kind", "a", "b", "base", "w"];
   const KINDS = ["chunk", "prefill", "decode"];
-  const REQ_FIELDS = ["uid", "state", "prompt_len", "cached_len", "output_len", "max_tokens",
-    "t_queued", "t_first_token", "t_finished"];
+  const REQ_FIELDS = ["uid", "state", "t_queued", "t_first_token", "t_finished"];
+  const REF_KEEP = 16; // decode stacks kept at batch ends, for batches that overlap what we hold
   const HALF = 0.45; // a step's bar half-width in step units
   const views = new Map(); // parentElement -> LiveView
 
@@ -43,8 +43,41 @@
     return lo;
   }
 
+  // A batch's packed items (app/live/encode.py, `unpack` there defines the format) as columns:
+  // each step says how its decode stack differs from the one before (`dd` left, `da` joined at
+  // a position, `dw` wasted, `n` no decodes) and lists its prompt pieces (`p`).
+  function unpackItems(packed, ref) {
+    const cols = { i: [], uid: [], kind: [], a: [], b: [], base: [], w: [] };
+    let stack = new Map(ref);
+    packed.forEach((pk, i) => {
+      const rows = [];
+      if (!pk.n && (stack.size || pk.da)) {
+        for (const u of pk.dd || []) stack.delete(u);
+        const da = pk.da || [];
+        for (let k = 0; k < da.length; k += 2) stack.set(da[k], da[k + 1]);
+        const waste = new Set(pk.dw || []);
+        const next = new Map();
+        for (const [u, a] of stack) { rows.push([u, 2, a, a + 1, waste.has(u) ? 1 : 0]); next.set(u, a + 1); }
+        stack = next;
+      }
+      const p = pk.p || [], others = [];
+      for (let k = 0; k < p.length; k += 5) others.push(p.slice(k, k + 5));
+      const ordered = rows.filter((r) => !r[4]).concat(others.filter((r) => !r[4]),
+        rows.filter((r) => r[4]), others.filter((r) => r[4]));
+      let base = 0;
+      for (const [uid, kind, a, b, w] of ordered) {
+        cols.i.push(i); cols.uid.push(uid); cols.kind.push(kind); cols.a.push(a); cols.b.push(b);
+        cols.base.push(base); cols.w.push(w);
+        base += b - a;
+      }
+    });
+    return { cols, ref: stack };
+  }
+
   class Record {
     constructor() {
+      this.ref = new Map(); // the decode stack after the last step held
+      this.refAt = new Map(); // step number -> the decode stack after it (recent batch ends)
       this.steps = new Columns(STEP_COLS);
       this.items = new Columns(ITEM_COLS);
       this.requests = new Map();
@@ -54,9 +87,24 @@
       this.chunks = []; // [step, uid, a, b, kind] prompt pieces
       this.firstItemStep = new Map(); // uid -> first step it appeared in
     }
+    // the decode stack a batch starting at step `first` unpacks from, if we know it
+    refBefore(first) {
+      const held = this.steps.length ? this.steps.step[this.steps.length - 1] : null;
+      if (held === null || first === held + 1) return this.ref;
+      return this.refAt.get(first - 1) || null;
+    }
     apply(batch, windowSteps) {
-      const s = batch.steps, it = batch.items;
+      const s = batch.steps;
       const held = this.steps.length ? this.steps.step[this.steps.length - 1] : -Infinity;
+      const start = s.step.length ? this.refBefore(s.step[0]) : this.ref;
+      if (!start) return false; // it extends a step whose stack we no longer have: ask again
+      const un = unpackItems(batch.packed || [], start);
+      const it = un.cols;
+      if (s.step.length && s.step[s.step.length - 1] > held) {
+        this.ref = un.ref;
+        this.refAt.set(s.step[s.step.length - 1], un.ref);
+        while (this.refAt.size > REF_KEEP) this.refAt.delete(this.refAt.keys().next().value);
+      }
       let k0 = 0; // the first new step of the batch
       while (k0 < s.step.length && s.step[k0] <= held) k0++;
       const n = s.step.length - k0;
@@ -92,6 +140,7 @@
         this.requests.set(rec.uid, rec);
       }
       this.trim(windowSteps);
+      return true;
     }
     trim(windowSteps) {
       const extra = this.steps.length - windowSteps;
@@ -524,22 +573,36 @@
       if (data.steps && (data.reset || (data.base !== null && data.base === this.id) || extends_)) {
         const start = performance.now();
         if (data.reset) this.rec = new Record();
-        this.rec.apply(data, this.windowSteps);
+        applied = this.rec.apply(data, this.windowSteps);
         performance.measure("stepscope-apply", { start, end: performance.now() });
-        this.id = data.id;
-        this.updates++;
-        this.draw();
-        const end = performance.now();
-        performance.measure("stepscope-update", { start, end });
-        this.times.push(end - start);
-        if (this.times.length > 600) this.times.shift();
-        if (this.updates % 5000 === 0) { // user-timing entries are kept until cleared
-          for (const m of ["apply", "plot", "update", "pull"]) performance.clearMeasures("stepscope-" + m);
+        if (applied) {
+          this.id = data.id;
+          this.updates++;
+          this.answered(data);
+          // ask for the next batch before drawing this one: Streamlit's round trip then runs
+          // while the browser draws, instead of after it
+          this.nextPull(0);
+          this.draw();
+          const end = performance.now();
+          performance.measure("stepscope-update", { start, end });
+          this.times.push(end - start);
+          if (this.times.length > 600) this.times.shift();
+          if (this.updates % 5000 === 0) { // user-timing entries are kept until cleared
+            for (const m of ["apply", "plot", "update", "pull"]) performance.clearMeasures("stepscope-" + m);
+          }
+          return;
         }
-        applied = true;
       } else if (data.id === this.id && (data.xmode !== this.drawnX || this.paused !== this.drawnPaused)) {
         this.draw();
       }
+      this.answered(data);
+      // new data we could not use (it extends what we do not hold): right away, from here;
+      // nothing new: a bit later
+      const stale = data.steps && !applied;
+      this.nextPull(stale ? 0 : this.style ? this.style.idle_ms : 500);
+    }
+
+    answered(data) {
       if (data.answer !== undefined && data.answer === this.pulls) {
         if (this.inflight) { // the round trip through Streamlit, for the benchmark
           performance.measure("stepscope-pull", { start: this.lastPull, end: performance.now() });
@@ -547,18 +610,17 @@
         this.inflight = false; // the answer to our last pull (Streamlit may repeat it: harmless)
         clearTimeout(this.watchdog);
       }
-      if (!this.paused && !this.inflight && this.timer === null) {
-        // new data: ask for more right away (at most every pull_ms); nothing new: a bit later;
-        // a batch we could not use (it extends what we do not hold): right away, from here
-        const stale = data.steps && !applied;
-        this.schedulePull(applied || stale ? 0 : this.style ? this.style.idle_ms : 500);
-      }
+    }
+
+    nextPull(extraDelay) {
+      if (!this.paused && !this.inflight && this.timer === null) this.schedulePull(extraDelay);
     }
 
     schedulePull(extraDelay) {
       if (!this.setStateValue) return;
       const every = this.style ? this.style.pull_ms : 200;
       const wait = Math.max(0, every - (performance.now() - this.lastPull)) + extraDelay;
+      if (wait <= 0) { this.pull(); return; }
       this.timer = setTimeout(() => { this.timer = null; this.pull(); }, wait);
     }
 
@@ -782,5 +844,6 @@
       }, 0);
     },
     views,
+    unpackItems, // for tests/test_app_live.py, which runs it in Node against encode.unpack
   };
 })();
