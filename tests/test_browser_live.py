@@ -290,8 +290,8 @@ def test_live_page_at_64_requests_and_5000_steps_against_the_classic_page(
             classic.wait_for_selector(".st-key-chart-timeline .js-plotly-plot")
             classic.wait_for_timeout(10_000)  # steady state (a redraw can take seconds here)
             # a classic redraw of this many steps takes seconds: measure whole cycles of it
-            result["classic_bytes_per_s"], result["classic_updates_per_s"] = (
-                meter.measure_updates(2, timeout_s=max(420.0, STEPS / 5))
+            result["classic_bytes_per_s"], result["classic_updates_per_s"] = meter.measure_updates(
+                2, timeout_s=max(420.0, STEPS / 5)
             )
     result["bytes_ratio"] = result["live_bytes_per_s"] / max(result["classic_bytes_per_s"], 1)
     # per update as well: at thousands of steps the classic page redraws so rarely that its
