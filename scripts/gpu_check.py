@@ -55,6 +55,7 @@ import engine.llm  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from engine.kvcache.pool import KVPool  # noqa: E402
+from engine.models.kernels import set_unfused  # noqa: E402
 from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf, resolve  # noqa: E402
 from engine.records import TokenEvent  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
@@ -72,12 +73,15 @@ DEV = "cuda"  # one name for the device, so a CPU dry run of the script's logic 
 BATCHES = (1, 16, 64, 256)
 PROMPT_LEN, NEW_TOKENS = 512, 128
 LONG_PROMPT, DECODERS = 8000, 32  # the stall table's arriving prompt and decoding requests
+LONG_CONTEXT = 4096  # the bench's long-context row (batch 16)
 CHUNK_PROMPTS = 32  # prompts of the chunked-vs-unchunked comparison
 OVERHEAD_ROUNDS = 8
 SECTIONS = (
-    "warmup pytest bandwidth logits backends chunked syncs profile kernels gap bench overhead "
-    "stall hf hf_static smollm2"
+    "warmup pytest bandwidth gemv logits backends chunked syncs profile kernels gap bench "
+    "overhead stall hf hf_static smollm2"
 ).split()
+# the decode kernels of engine/kernels, off ("before") and on ("after"): see engine.models.kernels
+UNFUSED = ("qkv", "gemv")
 
 
 # -- report --------------------------------------------------------------------------------
@@ -391,7 +395,7 @@ def sec_env(r: Report) -> None:
 
 def sec_warmup(r: Report) -> None:
     from flashinfer.jit.activation import gen_act_and_mul_module
-    from flashinfer.jit.attention import gen_batch_prefill_module
+    from flashinfer.jit.attention import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.norm import gen_norm_module
     from flashinfer.jit.rope import gen_rope_module
 
@@ -406,6 +410,8 @@ def sec_warmup(r: Report) -> None:
         "attention d64": gen_batch_prefill_module(
             "fa2", bf, bf, bf, torch.int32, 64, 64, 0, False, False, False
         ),
+        # the CUDA-core decode kernel (FlashInferAttention.decode_tensor_cores = False)
+        "decode d128": gen_batch_decode_module(bf, bf, bf, torch.int32, 128, 128, 0, False, False),
     }
     times: dict[str, float] = {}
 
@@ -491,6 +497,45 @@ LOGITS_HEADERS = [
     "batch-invariant, float32 residual, vs HF fp32",
     "HF bf16 vs HF fp32 (yardstick)",
 ]
+
+
+GEMV_SHAPES = {  # the Qwen3-0.6B shape's weights, [N, K]
+    "qkv_proj": (4096, 1024),
+    "o_proj": (1024, 2048),
+    "gate_up_proj": (6144, 1024),
+    "down_proj": (1024, 3072),
+    "lm_head": (QWEN_VOCAB, 1024),
+}
+
+
+def sec_gemv(r: Report) -> None:
+    """The skinny GEMV (engine/kernels/gemv.py) against cuBLAS for every weight of the Qwen3
+    shape at 1 to 8 rows, each replayed 50 times from a CUDA graph; the faster of the two is
+    pinned for the sections after this one (`gemv.set_choice`)."""
+    from engine.kernels import gemv as G
+
+    bw = r.data.get("copy_bw") or 4.1e12
+    rows, raw = [], []
+    for name, (n, k) in GEMV_SHAPES.items():
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+        for m in (1, 2, 4, 8):
+            if r.left() < 20:
+                r.say("(gemv: out of time)")
+                break
+            cfg, us, base = G.tune(w, m)
+            G.set_choice(n, k, m, cfg if us < base else None)
+            floor = n * k * 2 / bw * 1e6
+            rows.append([name, m, base, us, base / us, floor, f"{cfg}"])
+            raw.append(dict(weight=name, n=n, k=k, rows=m, cublas_us=base, gemv_us=us,
+                            floor_us=floor, config=vars(cfg)))  # fmt: skip
+        del w
+    free()
+    r.data["gemv"] = raw
+    r.table(
+        "Skinny GEMV against cuBLAS (µs per call, from a CUDA graph of 50)",
+        ["weight", "rows", "cuBLAS µs", "GEMV µs", "speed-up", "copy floor µs", "config"],
+        rows,
+    )
 
 
 def logits_table_rows(
@@ -731,36 +776,79 @@ def sec_bench(r: Report) -> None:
         max_extend_tokens=16384,
         cache_type="naive",
     )
-    variants: list[tuple[str, Callable[[], LLM], tuple[int, ...]]] = [
-        ("page 16, graphs, overlap", lambda: qwen_engine(**page16), BATCHES),
+    long16 = {**page16, "max_seq_len": LONG_CONTEXT + NEW_TOKENS + 64}
+
+    def cuda_core_decode() -> LLM:
+        from engine.attention.flashinfer_backend import FlashInferAttention
+
+        FlashInferAttention.decode_tensor_cores = False
+        try:
+            return qwen_engine(**page16)
+        finally:
+            FlashInferAttention.decode_tensor_cores = True
+
+    # (name, engine, batches, prompt length, decode kernels turned off)
+    Variant = tuple[str, Callable[[], LLM], tuple[int, ...], int, tuple[str, ...]]
+    variants: list[Variant] = [
+        ("page 16, graphs, overlap", lambda: qwen_engine(**page16), BATCHES, PROMPT_LEN, ()),
+        (
+            "page 16, graphs, overlap, before (unfused decode kernels)",
+            lambda: qwen_engine(**page16),
+            (1, 64),
+            PROMPT_LEN,
+            UNFUSED,
+        ),
+        (
+            f"page 16, graphs, overlap, context {LONG_CONTEXT:,}",
+            lambda: qwen_engine(**long16),
+            (16,),
+            LONG_CONTEXT,
+            (),
+        ),
+        (
+            "page 16, graphs, overlap, CUDA-core decode attention",
+            cuda_core_decode,
+            (1, 64),
+            PROMPT_LEN,
+            (),
+        ),
         (
             "page 16, graphs, no overlap",
             lambda: qwen_engine(**{**page16, "overlap": False}),
             (1, 64),
+            PROMPT_LEN,
+            (),
         ),
         (
             "page 1, graphs, overlap",
             lambda: qwen_engine(**{**page16, "page_size": 1, "num_pages": 256 * 680}),
             (64,),
+            PROMPT_LEN,
+            (),
         ),
         (
             "page 16, graphs, overlap, float32 residual",
             lambda: qwen_engine(**{**page16, "residual_dtype": "float32"}),
             (1, 64),
+            PROMPT_LEN,
+            (),
         ),
         (
             "batch-invariant + float32 residual (Triton), page 16, graphs, overlap",
             lambda: qwen_engine(**{**page16, "batch_invariant": True, "residual_dtype": "float32"}),
             (1, 64),
+            PROMPT_LEN,
+            (),
         ),
     ]
-    if r.bench_quick:  # the default path at two sizes, and the two precision options
-        variants = [(n, m, (1, 64)) for n, m, _ in variants if "no overlap" not in n]
+    if r.bench_quick:  # this round's rows: the default path, before/after, long context
+        variants = [v for v in variants if "no overlap" not in v[0] and "residual" not in v[0]]
         variants = [v for v in variants if not v[0].startswith("page 1,")]
-    for name, make, batches in variants:
+    for name, make, batches, prompt_len, unfused in variants:
         if r.left() < 60:
             r.say(f"(skipped bench variant {name}: out of time)")
             continue
+        set_unfused(unfused)
         llm = make()
         runner_times = timed_launch(llm)
         wbytes, kvtok = weight_bytes(llm), kv_bytes_per_token(llm)
@@ -769,17 +857,17 @@ def sec_bench(r: Report) -> None:
             runner_times.clear()
             run = drive(
                 llm,
-                [rand_ids(PROMPT_LEN, rng) for _ in range(bs)],
+                [rand_ids(prompt_len, rng) for _ in range(bs)],
                 SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
             )
             dec = decode_times(run, bs)
             mean = statistics.fmean(dec)
             # runner.launch of the decode steps: the last len(dec) calls
             run_ms = statistics.median(runner_times[-len(dec) :]) * 1e3
-            ctx = PROMPT_LEN + NEW_TOKENS / 2  # mean context of a decode step
+            ctx = prompt_len + NEW_TOKENS / 2  # mean context of a decode step
             floor = (wbytes + bs * ctx * kvtok) / bw * 1e3
             gpu = replay_ms(llm, bs) if llm.runner.graphs is not None else float("nan")
-            floor_end = (wbytes + bs * (PROMPT_LEN + NEW_TOKENS - 1) * kvtok) / bw * 1e3
+            floor_end = (wbytes + bs * (prompt_len + NEW_TOKENS - 1) * kvtok) / bw * 1e3
             row = {
                 "variant": name,
                 "batch": bs,
@@ -814,11 +902,13 @@ def sec_bench(r: Report) -> None:
         r.data["bench_meta"] = {"weight_bytes": wbytes, "kv_bytes_per_token": kvtok, "copy_bw": bw}
         del llm
         free()
+        set_unfused(())
     r.data["bench"] = raw
     meta = r.data.get("bench_meta", {})
     wbytes, kvtok = meta.get("weight_bytes", 0), meta.get("kv_bytes_per_token", 0)
     r.table(
-        f"Engine decode, Qwen3-0.6B shape (random bf16 weights), {PROMPT_LEN}-token prompts, "
+        f"Engine decode, Qwen3-0.6B shape (random bf16 weights), {PROMPT_LEN}-token prompts "
+        f"({LONG_CONTEXT:,} where named), "
         f"{NEW_TOKENS} new tokens",
         [
             "variant",
@@ -826,8 +916,8 @@ def sec_bench(r: Report) -> None:
             "step ms (mean)",
             "step ms (median)",
             "launch ms (host)",
-            "graph replay ms (ctx 639)",
-            "memory floor ms (ctx 576)",
+            "graph replay ms (last context)",
+            "memory floor ms (mean context)",
             "step / floor",
             "decode tok/s",
             "end-to-end tok/s",
@@ -1260,6 +1350,7 @@ def sec_smollm2(r: Report) -> None:
 # (class, name substrings), first match wins; names are compared in lower case. Refine them from
 # the "unclassified" lines the section prints.
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("qk norm + rope + kv store (fused)", ("qkv_epilogue",)),
     ("sampling", ("argmax", "topk", "top_k", "multinomial", "sampling", "softmax", "sort")),
     (
         "attention",
@@ -1419,11 +1510,13 @@ def sec_kernels(r: Report) -> None:
         overlap=False,  # a step ends with its tokens: clean step boundaries for the profiler
     )
     raw: dict[str, Any] = {}
-    for mode, graphs in (("eager", False), ("CUDA graphs", True)):
+    modes = (("CUDA graphs, before (unfused)", UNFUSED), ("CUDA graphs, after", ()))
+    for mode, unfused in modes:
         if r.left() < 30:
             r.say(f"(skipped kernels {mode}: out of time)")
             continue
-        llm = qwen_engine(**page16, cuda_graph=graphs)
+        set_unfused(unfused)
+        llm = qwen_engine(**page16, cuda_graph=True)
         gemm_bytes = sum(
             p.numel() * p.element_size() for p in llm.model.parameters() if p.dim() == 2
         )
@@ -1436,13 +1529,14 @@ def sec_kernels(r: Report) -> None:
             _kernel_tables(r, mode, bs, b, bw)
         del llm
         free()
+        set_unfused(())
     r.data["kernels"] = raw
-    eager, graph = raw.get("eager bs1"), raw.get("CUDA graphs bs1")
-    if eager and graph and graph["kernels_per_step"] < 0.2 * eager["kernels_per_step"]:
+    before, after = raw.get(f"{modes[0][0]} bs1"), raw.get(f"{modes[1][0]} bs1")
+    if before and after:
         r.say(
-            f"The profiler saw {graph['kernels_per_step']:.0f} device events per graph step "
-            f"against {eager['kernels_per_step']:.0f} eager: kernels inside graph replays are "
-            "not visible here, so read the eager tables (the same kernels, launched one by one)."
+            f"Batch 1: {before['kernels_per_step']:.0f} kernels and {before['us_per_step']:.0f} "
+            f"µs a step before, {after['kernels_per_step']:.0f} and {after['us_per_step']:.0f} "
+            "after."
         )
     r.say(
         "Profiled with torch.profiler (CUDA activity only) over 20 decode steps after 13 warm "

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from app.derive import stalled_per_step, stalls, tracks
-from app.live.encode import KINDS, PHASES, StepEncoder, ended_times, unpack
+from app.live.encode import KINDS, PHASES, StepEncoder, ended_times, expand_columns, unpack
 from app.live.feed import LiveFeed, ViewOptions
 from app.state import EventStore
 from tests.app_peer import synthetic_trace
@@ -110,6 +110,29 @@ def test_the_browser_unpacks_batches_as_the_format_defines() -> None:
     got = json.loads(done.stdout)
     assert got == [unpack(b["packed"], ref) for ref, b in batches]
     assert got == [b["items"] for _, b in batches]
+
+
+def test_constant_columns_travel_as_one_value() -> None:
+    from app.live.encode import compact_columns
+
+    cols = {"step": [4, 5, 6], "total": [100, 100, 100], "used": [1, 2, 2], "one": [7], "no": []}
+    small = compact_columns(cols)
+    assert small == {"step": [4, 5, 6], "total": 100, "used": [1, 2, 2], "one": [7], "no": []}
+    assert expand_columns(small) == cols
+    script = (
+        "globalThis.window = globalThis; require(process.argv[1]);"
+        "const c = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+        "console.log(JSON.stringify(window.stepscopeLive.expandColumns(c)));"
+    )
+    if shutil.which("node"):
+        done = subprocess.run(
+            ["node", "-e", script, str(LIVE_JS)],
+            input=json.dumps({k: v for k, v in small.items() if k != "no"}),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(done.stdout) == {k: v for k, v in cols.items() if k != "no"}
 
 
 def test_steady_decoding_packs_to_almost_nothing_and_keeps_each_request_in_place() -> None:
@@ -250,7 +273,8 @@ def test_the_feed_sends_each_step_once_and_nothing_when_nothing_is_new() -> None
     assert [r[0] for r in first["requests"]] == [0]
     eng.steps(3)
     second = feed.payload(eng.store, first["id"], OPTS)
-    assert not second["reset"] and second["base"] == first["id"]
+    assert not second.get("reset") and second["base"] == first["id"]
+    assert "engine" not in second and "requests" not in second  # nothing of them changed
     assert _numbers(second) == [80, 81, 82]
     assert len(second["packed"]) == 3  # only the new steps' items: work ∝ what is new
     assert unpack(second["packed"], {0: 90, 1: 90})["a"] == [90, 90, 91, 91, 92, 92]
@@ -272,7 +296,7 @@ def test_a_browser_that_missed_a_batch_gets_it_again_from_where_it_is() -> None:
     assert _numbers(b) == [5, 6] and _numbers(again) == [5, 6, 7, 8]
     assert again["base"] == a["id"]
     # the encoder state was replayed from `a` as well: the same view model
-    assert again["steps"]["stalled"][:2] == b["steps"]["stalled"]
+    assert expand_columns(again["steps"])["stalled"][:2] == expand_columns(b["steps"])["stalled"]
 
 
 def test_unknown_ids_wider_windows_resets_and_pauses() -> None:

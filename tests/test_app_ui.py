@@ -248,7 +248,7 @@ def test_live_charts_get_steps_and_pausing_stops_them(app: AppTest, peer: AppPee
     app.button(key="FormSubmitter:prompt-Submit").click().run()
     assert settle(app, lambda: len(peer.steps) > 5 and len(fresh(app)["steps"]["step"]) > 5)
     data = fresh(app)
-    assert data["reset"] and not data["paused"] and not app.get("plotly_chart")
+    assert data["reset"] and not data.get("paused") and not app.get("plotly_chart")
     assert {"timeline", "kv", "progress"} <= set(data["captions"])
     assert data["assets"]["plotly"].endswith("plotly.min.js")
     assert data["requests"][0][:2] == [0, "running"] or data["requests"][0][0] == 0

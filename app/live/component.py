@@ -120,12 +120,15 @@ def live_charts(
     if not sent or sent[-1] != data.get("id"):
         sent = [*sent, data.get("id")][-OVERLAP:]
     seen[key] = (pulled.get("n"), sent)
-    data["assets"] = _assets_urls()
     data["answer"] = pulled.get("n")  # which pull this answers
-    data["hidden"] = hidden
+    if hidden:
+        data["hidden"] = True
     sent: dict[str, Any] = st.session_state.setdefault("live_sent_policy", {})
-    policy = (data.get("config") or {}).get("policy", sent.get(key))
-    if data.get("reset") or sent.get(key) != policy or pulled.get("have") is None:
+    policy = (data.pop("config", None) or {}).get("policy", sent.get(key))
+    fresh = data.get("reset") or pulled.get("have") is None  # the browser may have nothing
+    if fresh:
+        data["assets"] = _assets_urls()
+    if fresh or sent.get(key) != policy:
         sent[key] = policy
         data["style"] = style()
         data["captions"] = {k: _html(v) for k, v in captions(policy).items()}

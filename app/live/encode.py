@@ -58,6 +58,7 @@ class StepEncoder:
     # the decode stack of the last step that had decodes: uid -> its next position, in order
     ref: dict[int, int] = field(default_factory=dict)
     rows: dict[int, tuple] = field(default_factory=dict)  # request rows as last sent
+    engine_sent: dict[str, Any] | None = None  # the engine facts as last sent
 
     def copy(self) -> StepEncoder:
         # by hand: deepcopy costs more than encoding a batch
@@ -68,6 +69,7 @@ class StepEncoder:
             self.last_t1,
             dict(self.ref),
             dict(self.rows),
+            self.engine_sent,
         )
 
     def request_rows(self, requests: Iterable[Message], limit: int) -> list[list]:
@@ -280,6 +282,21 @@ def unpack(packed: Sequence[Mapping[str, Any]], ref: Mapping[int, int]) -> dict[
                 items[key].append(v)
             base += b - a
     return items
+
+
+def compact_columns(cols: Mapping[str, list]) -> dict[str, Any]:
+    """A batch's step columns with each column that holds one value throughout sent as that
+    value (the pool's size, the budget, the queue in a steady state): the browser expands it."""
+    out: dict[str, Any] = {}
+    for name, col in cols.items():
+        out[name] = col[0] if len(col) > 1 and col.count(col[0]) == len(col) else col
+    return out
+
+
+def expand_columns(cols: Mapping[str, Any]) -> dict[str, list]:
+    """The inverse of `compact_columns` (the browser's expandColumns in live.js)."""
+    n = max((len(c) for c in cols.values() if isinstance(c, list)), default=0)
+    return {k: c if isinstance(c, list) else [c] * n for k, c in cols.items()}
 
 
 def ended_times(requests: Iterable[Message]) -> dict[int, float]:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.live.encode import StepEncoder, ended_times
+from app.live.encode import StepEncoder, compact_columns, ended_times
 
 RING = 32  # batches a browser may fall behind by and still get a delta, not a reset
 MAX_REQUESTS = 200  # request records a reset carries (the newest)
@@ -75,24 +75,33 @@ class LiveFeed:
             self._ring[have] = (delta.cursor, encoder, opts.window)
             return {"id": have, "base": have, "window": opts.window, "xmode": opts.xmode}
         ended = ended_times(delta.requests)
-        body = encoder.encode(steps, ended)
-        del body["items"]  # the browser unpacks `packed` into the same columns
+        body = encoder.encode(steps, ended)  # its `items` stay here: the browser unpacks `packed`
         batch_id = self._next_id
         self._next_id += 1
         self._ring[batch_id] = (delta.cursor, encoder, opts.window)
         while len(self._ring) > RING:
             self._ring.popitem(last=False)
         self.updates += 1
-        engine = delta.engine or {}
-        return {
+        out: dict[str, Any] = {
             "id": batch_id,
             "base": None if reset else have,
-            "reset": reset,
-            "paused": opts.paused,  # a page opened while paused draws, but does not pull
             "window": opts.window,
             "xmode": opts.xmode,
-            "requests": encoder.request_rows(delta.requests, MAX_REQUESTS),
-            "engine": {k: engine.get(k) for k in ("page_size", "num_pages", "model")},
-            "config": delta.config or {},
-            **body,
+            "config": delta.config or {},  # read by the component, not sent to the browser
+            "steps": compact_columns(body["steps"]),
+            "packed": body["packed"],
+            "ongoing": body["ongoing"],
         }
+        # what the browser keeps between batches is sent when it changed, not every time
+        if reset:
+            out["reset"] = True
+        if opts.paused:
+            out["paused"] = True  # a page opened while paused draws, but does not pull
+        if rows := encoder.request_rows(delta.requests, MAX_REQUESTS):
+            out["requests"] = rows
+        if body["stalls"]:
+            out["stalls"] = body["stalls"]
+        facts = {k: (delta.engine or {}).get(k) for k in ("page_size", "num_pages", "model")}
+        if reset or facts != encoder.engine_sent:
+            out["engine"] = encoder.engine_sent = facts
+        return out

@@ -51,6 +51,17 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: Any
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: int,
+        meta: Any,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k and v: [T, Hk, D] for the step's new tokens; returns [T, Hq, D]."""
+        """q: [T, Hq, D], k and v: [T, Hk, D] for the step's new tokens; returns [T, Hq, D].
+        k and v None: the caller already wrote them at `new_token_slots(meta)`."""
+
+    def new_token_slots(self, meta: Any) -> torch.Tensor | None:
+        """Where this step's new K and V go in the pool, for a caller that writes them itself
+        (the fused epilogue, engine/kernels/qkv.py); None: pass k and v to `forward`."""
+        return None

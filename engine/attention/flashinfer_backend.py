@@ -35,6 +35,9 @@ class FlashInferMeta:
 
 class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
+    # Decode through the tensor-core (prefill) kernel, which suits grouped-query heads; False:
+    # FlashInfer's CUDA-core decode kernel (the GPU check times both)
+    decode_tensor_cores = True
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
@@ -48,7 +51,7 @@ class FlashInferAttention(AttentionBackend):
             self.workspace, "NHD", backend="fa2"
         )
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=True
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
         self._graph_indices: torch.Tensor | None = None
         self._planned: torch.cuda.Event | None = None
@@ -64,11 +67,20 @@ class FlashInferAttention(AttentionBackend):
         return FlashInferMeta(self.prefill, layout.out_loc)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: FlashInferMeta
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: int,
+        meta: FlashInferMeta,
     ) -> torch.Tensor:
         # write first: a request's new tokens are part of what it attends to
-        self.pool.store(layer, meta.out_loc, k, v)
+        if k is not None and v is not None:
+            self.pool.store(layer, meta.out_loc, k, v)
         return meta.wrapper.run(q, self.pool.paged(layer))
+
+    def new_token_slots(self, meta: FlashInferMeta) -> torch.Tensor:
+        return meta.out_loc
 
     # -- CUDA graphs ---------------------------------------------------------------------
     def graph_meta(self, batch_size: int, out_loc: torch.Tensor, max_pages: int) -> FlashInferMeta:
@@ -81,7 +93,7 @@ class FlashInferAttention(AttentionBackend):
             self.workspace,
             "NHD",
             use_cuda_graph=True,
-            use_tensor_cores=True,
+            use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=torch.zeros(
                 batch_size + 1, dtype=torch.int32, device=self.device
             ),

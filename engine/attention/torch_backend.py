@@ -93,10 +93,16 @@ class TorchAttention(AttentionBackend):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchMeta
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: int,
+        meta: TorchMeta,
     ) -> torch.Tensor:
         # write first: a request's new tokens are part of what it attends to
-        self.pool.store(layer, meta.out_loc, k, v)
+        if k is not None and v is not None:
+            self.pool.store(layer, meta.out_loc, k, v)
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
         out = torch.empty_like(q)
         for s in meta.seqs:

@@ -59,10 +59,16 @@ class TritonAttention(AttentionBackend):
         return TritonMeta(*parts, out_loc=layout.out_loc)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TritonMeta
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: int,
+        meta: TritonMeta,
     ) -> torch.Tensor:
         # write first: a request's new tokens are part of what it attends to
-        self.pool.store(layer, meta.out_loc, k, v)
+        if k is not None and v is not None:
+            self.pool.store(layer, meta.out_loc, k, v)
         return paged_attention(
             q,
             self.pool.k[layer],

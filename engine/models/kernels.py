@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from types import ModuleType
 
@@ -15,6 +16,23 @@ import torch
 log = logging.getLogger(__name__)
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's norm/RoPE/activation kernels
+
+# The decode kernels of engine/kernels that can be turned off, to measure what they bring
+# (scripts/gpu_check.py builds engines both ways in one run): "qkv" (the fused norm + RoPE +
+# KV-store epilogue) and "gemv" (skinny matmuls for a few rows). STEPSCOPE_UNFUSED=qkv,gemv
+# turns them off from the start; `set_unfused` in-process.
+_unfused: frozenset[str] = frozenset(
+    n for n in os.environ.get("STEPSCOPE_UNFUSED", "").split(",") if n.strip()
+)
+DECODE_KERNELS = ("qkv", "gemv")
+
+
+def set_unfused(names: tuple[str, ...] | list[str]) -> None:
+    global _unfused
+    unknown = set(names) - set(DECODE_KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; expected some of {DECODE_KERNELS}")
+    _unfused = frozenset(names)
 
 
 def fused_kernels(x: torch.Tensor) -> ModuleType | None:
@@ -58,3 +76,32 @@ def invariant_linear() -> Callable[..., torch.Tensor]:
     from engine.kernels.matmul import linear
 
     return linear
+
+
+def qkv_epilogue(qkv: torch.Tensor, head_dim: int) -> ModuleType | None:
+    """engine.kernels.qkv when this projection output can use the fused epilogue, else None."""
+    if not qkv.is_cuda or qkv.dtype not in FUSED_DTYPES or "qkv" in _unfused:
+        return None
+    mod = _triton_module("qkv")
+    return mod if mod is not None and mod.supports(head_dim) else None
+
+
+def skinny_gemv(x: torch.Tensor) -> ModuleType | None:
+    """engine.kernels.gemv when x is a few half-precision CUDA rows, else None."""
+    if not x.is_cuda or x.dtype not in FUSED_DTYPES or "gemv" in _unfused:
+        return None
+    mod = _triton_module("gemv")
+    if mod is None or x.numel() > mod.MAX_ROWS * x.shape[-1]:
+        return None
+    return mod
+
+
+@functools.cache
+def _triton_module(name: str) -> ModuleType | None:
+    import importlib
+
+    try:
+        return importlib.import_module(f"engine.kernels.{name}")
+    except Exception as e:  # as for FlashInfer: anything a broken install raises
+        log.warning("decode kernel %s off, the unfused path instead: %s", name, e)
+        return None

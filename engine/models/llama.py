@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.kernels import fused_kernels, wide_norm
+from engine.models.kernels import fused_kernels, qkv_epilogue, wide_norm
 from engine.models.parallel import (
     SINGLE,
     Linear,
@@ -92,7 +92,29 @@ class Attention(nn.Module):
         meta: Any,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x)
+        slots = backend.new_token_slots(meta)
+        ep = qkv_epilogue(qkv, self.head_dim) if slots is not None else None
+        if ep is not None and rope.cos_sin is not None:
+            # norms, RoPE and the K/V store in one kernel; the backend only attends
+            qn, kn = self.q_norm, self.k_norm
+            q = ep.qkv_epilogue(
+                qkv,
+                positions,
+                rope.cos_sin,
+                qn.weight if qn is not None else None,
+                kn.weight if kn is not None else None,
+                qn.eps if qn is not None else 0.0,
+                backend.pool.k[self.layer_id],
+                backend.pool.v[self.layer_id],
+                slots,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
+            out = backend.forward(q, None, None, self.layer_id, meta)
+            return self.o_proj(out.reshape(n, -1))
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)

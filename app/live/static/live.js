@@ -74,6 +74,15 @@
     return { cols, ref: stack };
   }
 
+  // a column holding one value throughout a batch comes as that value (encode.compact_columns)
+  function expandColumns(cols) {
+    let n = 0;
+    for (const c of Object.values(cols)) if (Array.isArray(c)) n = Math.max(n, c.length);
+    const out = {};
+    for (const [k, c] of Object.entries(cols)) out[k] = Array.isArray(c) ? c : new Array(n).fill(c);
+    return out;
+  }
+
   class Record {
     constructor() {
       this.ref = new Map(); // the decode stack after the last step held
@@ -94,7 +103,7 @@
       return this.refAt.get(first - 1) || null;
     }
     apply(batch, windowSteps) {
-      const s = batch.steps;
+      const s = expandColumns(batch.steps);
       const held = this.steps.length ? this.steps.step[this.steps.length - 1] : -Infinity;
       const start = s.step.length ? this.refBefore(s.step[0]) : this.ref;
       if (!start) return false; // it extends a step whose stack we no longer have: ask again
@@ -844,6 +853,7 @@
       }, 0);
     },
     views,
-    unpackItems, // for tests/test_app_live.py, which runs it in Node against encode.unpack
+    unpackItems, // for tests/test_app_live.py, which runs these in Node against encode.py
+    expandColumns,
   };
 })();
