@@ -52,12 +52,14 @@ def _gemv_kernel(
     for k0 in range(0, k_span, BLOCK_K):
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :])
-        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :])
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
+        x_ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=x_ok, other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         if pid_k == 0:
-            acc += tl.load(B + rn, mask=n_ok).to(tl.float32)[None, :]
+            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = Y + rm[:, None] * stride_ym + rn[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
@@ -88,7 +90,7 @@ def choose(n: int, k: int, rows: int) -> Config | None:
     key = (n, k, rows)
     if key in _table:
         return _table[key]
-    block_k = min(512, triton.next_power_of_2(k))
+    block_k = min(512, triton.next_power_of_2(k), MAX_BLOCK // (8 * triton.next_power_of_2(rows)))
     programs = triton.cdiv(n, DEFAULT.block_n)
     split = 1
     while programs * split < TARGET_PROGRAMS and split < 4 and k // (2 * split) >= block_k:
@@ -143,11 +145,17 @@ def gemv(
 CANDIDATES = tuple(
     Config(bn, bk, sk, w)
     for bn in (4, 8, 16)
-    for bk in (256, 512, 1024)
+    for bk in (128, 256, 512, 1024)
     for sk in (1, 2, 4)
     for w in (4,)
     if bn * bk <= 8192
 )
+# a program multiplies a [rows, BLOCK_N, BLOCK_K] block in registers: keep it this small
+MAX_BLOCK = 8192
+
+
+def fits(cfg: Config, rows: int) -> bool:
+    return triton.next_power_of_2(rows) * cfg.block_n * cfg.block_k <= MAX_BLOCK
 
 
 def tune(
@@ -182,7 +190,7 @@ def tune(
 
     base = timed(lambda: torch.nn.functional.linear(x, weight))
     best: tuple[Config, float] | None = None
-    for cfg in candidates:
+    for cfg in (c for c in candidates if fits(c, rows)):
         err = (gemv(x, weight, None, cfg).float() - ref.float()).abs().max().item() / scale
         if err > 2e-2:
             raise AssertionError(f"gemv {cfg} is off by {err:.3g} for {tuple(weight.shape)}")

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU work of one device call of the decode-kernel round (issue 17), unattended.
+#
+#   bash scripts/gpu_round.sh OUT kernels    # call 1: GPU tests, GEMV tuning, kernel tables
+#                                            #   before/after, bench, Hugging Face static cache
+#   bash scripts/gpu_round.sh OUT smollm2    # call 2, right after: the real SmolLM2 weights
+#
+# Carried (the machine has no internet): .whl (FlashInfer 0.5.3, apache-tvm-ffi, gguf),
+# .dev/ss.tgz (a tokenizer-only copy of the converted SmolLM2, which the dummy-weight configs
+# borrow) and one half of the bundled GGUF per call (.dev/gguf.partaa, then .dev/gguf.partab:
+# the 98 MB file is over one call's carry). The first half waits in /tmp/persist for the second
+# call, which must find the machine still warm.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=$1
+CALL=$2
+mkdir -p "$OUT" /tmp/ss /tmp/persist
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MAX_JOBS=16 FLASHINFER_CUDA_ARCH_LIST=9.0a
+export CUDA_HOME=$(dirname "$(dirname "$(which nvcc)")") STEPSCOPE_CACHE=/tmp/ss
+[ -d /tmp/ss/SmolLM2-135M-Instruct ] || tar -xzf .dev/ss.tgz -C /tmp/ss
+for part in .dev/gguf.part*; do [ -f "$part" ] && cp "$part" /tmp/persist/; done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+case $CALL in
+  kernels)
+    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 --bench-quick \
+      --sections warmup,bandwidth,pytest,gemv,kernels,bench,hf_static --hf-static-batches 1,64 \
+      --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py 2>&1 | tee "$OUT/log.txt"
+    ;;
+  smollm2)
+    if [ -f /tmp/persist/gguf.partaa ] && [ -f /tmp/persist/gguf.partab ]; then
+      cat /tmp/persist/gguf.partaa /tmp/persist/gguf.partab > /tmp/smollm2.gguf
+      export SMOLLM2_GGUF=/tmp/smollm2.gguf
+      sha256sum /tmp/smollm2.gguf | cut -c1-16
+    else
+      echo "the first half of the GGUF is not here (a fresh machine): random weights only"
+    fi
+    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 \
+      --sections warmup,gap,smollm2 2>&1 | tee "$OUT/log.txt"
+    ;;
+  *) echo "unknown call $CALL" >&2; exit 2 ;;
+esac
