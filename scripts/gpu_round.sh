@@ -4,6 +4,10 @@
 #   bash scripts/gpu_round.sh OUT kernels    # call 1: GPU tests, GEMV tuning, kernel tables
 #                                            #   before/after, bench, Hugging Face static cache
 #   bash scripts/gpu_round.sh OUT smollm2    # call 2, right after: the real SmolLM2 weights
+#   bash scripts/gpu_round.sh OUT tune       # call 3: tune the skinny matmuls (gemv_tuned.json),
+#                                            #   then the GPU tests with that table in place
+#   bash scripts/gpu_round.sh OUT final      # call 4, with that table committed: kernel tables
+#                                            #   before/after, bench, Hugging Face static cache
 #
 # Carried (the machine has no internet): .whl (FlashInfer 0.5.3, apache-tvm-ffi, gguf),
 # .dev/ss.tgz (a tokenizer-only copy of the converted SmolLM2, which the dummy-weight configs
@@ -38,6 +42,19 @@ case $CALL in
     fi
     python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 \
       --sections warmup,gap,smollm2 2>&1 | tee "$OUT/log.txt"
+    ;;
+  tune)
+    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 300 \
+      --sections warmup,bandwidth,gemv 2>&1 | tee "$OUT/log.txt"
+    cp "$OUT/gemv_tuned.json" engine/kernels/gemv_tuned.json  # what the tests' engines load
+    PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT/tests" --deadline-s 300 \
+      --sections pytest --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py \
+      2>&1 | tail -40
+    ;;
+  final)
+    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 540 --bench-quick \
+      --sections warmup,bandwidth,kernels,bench,hf_static --hf-static-batches 1,64 \
+      2>&1 | tee "$OUT/log.txt"
     ;;
   *) echo "unknown call $CALL" >&2; exit 2 ;;
 esac

@@ -95,9 +95,55 @@ def test_gemv_matches_linear(rows: int, split_k: int, bias: bool) -> None:
     assert rel_err(got, want) < (1e-2 if CUDA else 1e-5)
 
 
-def test_gemv_refuses_a_batch_it_was_not_made_for() -> None:
-    from engine.kernels.gemv import MAX_ROWS, gemv
+@pytest.mark.parametrize("rows", [9, 33, 64])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_tensor_core_path_matches_linear(rows: int, split_k: int) -> None:
+    from engine.kernels.gemv import Config, gemv
 
-    x = torch.zeros(MAX_ROWS + 1, 16, dtype=DTYPE, device=DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    n, k = 100, 200
+    x = torch.randn(rows, k, device=DEVICE, generator=g).to(DTYPE)
+    w = (torch.randn(n, k, device=DEVICE, generator=g) / k**0.5).to(DTYPE)
+    b = torch.randn(n, device=DEVICE, generator=g).to(DTYPE)
+    got = gemv(x, w, b, Config(block_n=32, block_k=64, split_k=split_k, dot=True))
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert rel_err(got, want) < (1e-2 if CUDA else 1e-5)
+
+
+def test_each_path_refuses_rows_it_was_not_made_for() -> None:
+    from engine.kernels.gemv import GEMV_ROWS, MAX_ROWS, Config, gemv
+
+    w = torch.zeros(8, 16, dtype=DTYPE, device=DEVICE)
     with pytest.raises(AssertionError):
-        gemv(x, torch.zeros(8, 16, dtype=DTYPE, device=DEVICE), None)
+        gemv(torch.zeros(GEMV_ROWS + 1, 16, dtype=DTYPE, device=DEVICE), w, None)
+    with pytest.raises(AssertionError):
+        gemv(
+            torch.zeros(MAX_ROWS + 1, 16, dtype=DTYPE, device=DEVICE),
+            w,
+            None,
+            Config(16, 16, dot=True),
+        )
+
+
+def test_shapes_use_cublas_unless_timing_chose_a_kernel(tmp_path, monkeypatch) -> None:
+    import json
+
+    from engine.kernels import gemv as G
+
+    monkeypatch.setattr(G, "_table", {})
+    monkeypatch.setattr(G, "_loaded", set())
+    tuned = tmp_path / "gemv_tuned.json"
+    row = {"n": 1024, "k": 2048, "rows": 4, "config": {"block_n": 4, "block_k": 512}}
+    tuned.write_text(
+        json.dumps({"Some GPU": [row, {"n": 1024, "k": 2048, "rows": 8, "config": None}]})
+    )
+    monkeypatch.setattr(G, "TUNED", tuned)
+    assert G.choose(1024, 2048, 3, "Another GPU") is None  # no table for that device
+    assert G.choose(1024, 2048, 3, "Some GPU") == G.Config(4, 512)  # 3 rows: the 4-row class
+    assert G.choose(1024, 2048, 7, "Some GPU") is None  # timed: cuBLAS won
+    assert G.choose(1024, 2048, 65, "Some GPU") is None  # past MAX_ROWS
+    G.set_choice(4096, 1024, 1, G.Config(8, 1024))
+    assert G.table_rows("Some GPU")["Some GPU"][-1] == {
+        "n": 4096, "k": 1024, "rows": 1,
+        "config": {"block_n": 8, "block_k": 1024, "split_k": 1, "num_warps": 4, "dot": False},
+    }  # fmt: skip

@@ -8,6 +8,7 @@ comparisons test the kernels, not luck in near-ties. scripts/gpu_check.py runs t
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -298,6 +299,57 @@ def test_engine_logits_match_hf(
         assert got.shape == ref.shape
         worst_engine = max(worst_engine, *(rel_err(g, r) for g, r in zip(got, ref, strict=True)))
         worst_hf16 = max(worst_hf16, *(rel_err(h, r) for h, r in zip(bf16, ref, strict=True)))
+    assert worst_engine <= max(BF16_RTOL, HF_BF16_FACTOR * worst_hf16), (worst_engine, worst_hf16)
+
+
+@pytest.fixture
+def skinny_everywhere(wide_qwen3: Path) -> Iterator[None]:
+    """Every weight of the wide model through engine/kernels/gemv.py at 1 to 64 rows (the
+    CUDA-core loop to 8 rows, tensor cores above), whatever a tuned table would choose."""
+    from engine.kernels import gemv as G
+
+    saved = dict(G._table)
+    cfg = json.loads((wide_qwen3 / "config.json").read_text())
+    h, heads, kv, d = (cfg[k] for k in ("hidden_size", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim"))  # fmt: skip
+    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter), (vocab, h)]
+    for n, k in shapes:
+        for rows in (1, 2, 4, 8):
+            G.set_choice(n, k, rows, G.Config(4, 256, split_k=2 if n <= h else 1))
+        for rows in (16, 32, 64):
+            G.set_choice(n, k, rows, G.Config(32, 64, split_k=2 if n <= h else 1, dot=True))
+    yield
+    G._table.clear()
+    G._table.update(saved)
+
+
+def test_engine_with_the_skinny_matmuls_matches_hf_and_cublas(
+    make_llm: Callable[..., Any], wide_qwen3: Path, skinny_everywhere: None
+) -> None:
+    from engine.models.kernels import set_unfused
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    hf32, hf16 = hf_reference(wide_qwen3), hf_reference(wide_qwen3).to(torch.bfloat16)
+    worst_engine = worst_hf16 = 0.0
+    for n in (1, 5, 12, 40):  # graphs of 1, 8, 16 and 40 rows: both kernels, split and not
+        prompts = random_prompts(n, 10, 300, seed=10 + n)
+        skinny = trace_run(make_llm(wide_qwen3), prompts, params)
+        set_unfused(["gemv"])
+        try:
+            cublas = trace_run(make_llm(wide_qwen3), prompts, params)
+        finally:
+            set_unfused([])
+        assert compare_greedy(cublas, skinny, 10)["mismatches"] == 0
+        for prompt, run in zip(prompts[:2], skinny[:2], strict=True):  # and against HF
+            ids = prompt + run.tokens
+            ref, bf16 = hf_logits(hf32, ids[:-1], 10), hf_logits(hf16, ids[:-1], 10)
+            got = torch.stack(run.logits)
+            worst_engine = max(
+                worst_engine, *(rel_err(g, r) for g, r in zip(got, ref, strict=True))
+            )
+            worst_hf16 = max(worst_hf16, *(rel_err(h, r) for h, r in zip(bf16, ref, strict=True)))
     assert worst_engine <= max(BF16_RTOL, HF_BF16_FACTOR * worst_hf16), (worst_engine, worst_hf16)
 
 

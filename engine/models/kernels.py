@@ -105,3 +105,9 @@ def _triton_module(name: str) -> ModuleType | None:
     except Exception as e:  # as for FlashInfer: anything a broken install raises
         log.warning("decode kernel %s off, the unfused path instead: %s", name, e)
         return None
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name (its tuned kernel tables are keyed by it)."""
+    return torch.cuda.get_device_name(device)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.kernels import invariant_linear, skinny_gemv
+from engine.models.kernels import device_name, invariant_linear, skinny_gemv
 
 
 def split(n: int, size: int, rank: int) -> tuple[int, int]:
@@ -193,7 +193,8 @@ class Linear(nn.Linear):
         if self.batch_invariant:
             return invariant_linear()(x, self.weight, self.bias)
         if (g := skinny_gemv(x)) is not None:  # a few rows on CUDA: decode at small batch
-            cfg = g.choose(self.weight.shape[0], self.weight.shape[1], x.numel() // x.shape[-1])
+            n, k = self.weight.shape
+            cfg = g.choose(n, k, x.numel() // k, device_name(x.device))
             if cfg is not None:
                 return g.gemv(x, self.weight, self.bias, cfg)
         return super().forward(x)
