@@ -52,6 +52,8 @@ case $CALL in
       2>&1 | tail -40
     ;;
   final)
+    timeout 120 python3 -m pytest -q -x -n 0 -p no:cacheprovider tests/test_gpu.py \
+      -k skinny 2>&1 | grep -v Warning | tail -30 > "$OUT/skinny_test.txt"
     python3 scripts/gpu_check.py --out "$OUT" --deadline-s 540 --bench-quick \
       --sections warmup,bandwidth,kernels,bench,hf_static --hf-static-batches 1,64 \
       2>&1 | tee "$OUT/log.txt"
