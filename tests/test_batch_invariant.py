@@ -9,16 +9,13 @@ masking and tiling, but numpy's matmul rounds a row differently by its place in 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:  # before any kernel module is imported: triton.jit reads it at decoration
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_env import CUDA, DEVICE, DTYPE  # first: it sets TRITON_INTERPRET without CUDA
 
 pytest.importorskip("triton")
 
@@ -29,8 +26,6 @@ from engine.sampling import SamplingParams  # noqa: E402
 from tests.helpers import hf_greedy  # noqa: E402
 from tests.test_gpu import compare_greedy, rel_err, trace_run  # noqa: E402
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 # against the torch reference, which sums in another order: bf16 output rounding (2^-9) on CUDA;
 # in float32 (unit roundoff 6e-8) K <= 200 products differ by ~sqrt(K) units (measured 2e-7)
 RTOL = 1e-2 if CUDA else 1e-5

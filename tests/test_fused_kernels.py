@@ -6,21 +6,15 @@ checks the indexing, masking and the split-K sums (the speed is the GPU check's 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:  # before any kernel module is imported: triton.jit reads it at decoration
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_env import CUDA, DEVICE, DTYPE  # first: it sets TRITON_INTERPRET without CUDA
 
 pytest.importorskip("triton")
 
 from engine.models.rope import RotaryEmbedding  # noqa: E402
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 # bf16: the fused kernel rounds once where the reference rounds after the norm and after RoPE,
 # so they differ by about one bf16 unit (2^-8 relative) of the largest values; float32: noise
 TOL = 2e-2 if CUDA else 1e-5

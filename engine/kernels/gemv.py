@@ -49,6 +49,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -66,53 +67,10 @@ def _gemv_kernel(
         w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
         x_ok = m_ok[:, None] & k_ok[None, :]
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=x_ok, other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = Y + rm[:, None] * stride_ym + rn[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
-    else:
-        tl.atomic_add(out, acc, mask=ok, sem="relaxed")
-
-
-@triton.jit
-def _skinny_dot_kernel(
-    X,
-    W,
-    B,
-    Y,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_span
-    n_ok = rn < N
-    m_ok = rm < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_span, BLOCK_K):
-        rk = k_lo + k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
-        x_ok = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=x_ok, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        if DOT:  # tensor cores, over one tile of all the rows
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:  # CUDA cores: a few rows, reduced in float32 registers
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -151,9 +109,8 @@ def gemv(
     out = y((m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     if m:
         grid = (triton.cdiv(n, config.block_n), split)
-        kernel = _skinny_dot_kernel if config.dot else _gemv_kernel
         block_m = max(16 if config.dot else 1, triton.next_power_of_2(m))
-        kernel[grid](
+        _gemv_kernel[grid](
             x2,
             weight,
             bias if bias is not None else weight,
@@ -169,6 +126,7 @@ def gemv(
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             SPLIT_K=split,
+            DOT=config.dot,
             num_warps=config.num_warps,
         )
     if split > 1:
