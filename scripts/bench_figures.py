@@ -145,20 +145,6 @@ BROWSER_JS = """([payloads, style]) => {
     return {median: ms[ms.length >> 1], p90: ms[Math.floor(0.9 * (ms.length - 1))],
             updates: ms.length, lod: document.querySelector('.stepscope-live').dataset.lod};
 }"""
-FLOOR_JS = """() => {
-    const gd = document.createElement('div'); gd.style.width = '1400px';
-    document.body.appendChild(gd);
-    const out = [];
-    for (let k = 0; k < 20; k++) {
-        const x = [], y = [];
-        for (let i = 0; i < 1000; i++) { x.push(i + k); y.push(Math.sin(i / 50 + k)); }
-        const t = performance.now();
-        Plotly.react(gd, [{type: 'scatter', x, y, mode: 'lines'}], {height: 400, uirevision: 1});
-        out.push(performance.now() - t);
-    }
-    out.sort((a, b) => a - b);
-    return out[10];
-}"""
 
 
 def browser_updates(payloads: list[dict]) -> dict:
@@ -169,6 +155,7 @@ def browser_updates(payloads: list[dict]) -> dict:
     from playwright.sync_api import sync_playwright
 
     from app.live.component import STATIC, style
+    from tests.browser_floor import FLOOR_JS
 
     plotly_js = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     html = (

@@ -149,6 +149,29 @@ def overhead(args: argparse.Namespace) -> None:
 # -- soak -------------------------------------------------------------------------------------
 
 
+def random_submit(rng: random.Random, max_seq: int, vocab: int, cid: str) -> dict[str, Any]:
+    """One random `submit` of the soak's mix: 4% that can never fit, 3% with an out-of-range
+    field, 13% text (half through the chat template), the rest random token ids (1 to half the
+    context, most short); `max_tokens` 1 to 64; 30% sampled."""
+    roll = rng.random()
+    cmd: dict[str, Any] = {"type": "submit", "id": cid}
+    if roll < 0.04:  # can never fit
+        cmd["input_ids"] = [5] * (max_seq + rng.randrange(1, 100))
+    elif roll < 0.07:  # out of range
+        cmd |= {"prompt": "hi", rng.choice(["max_tokens", "top_p", "top_k"]): 0}
+    elif roll < 0.20:  # text, sometimes through the chat template
+        words = rng.choices(["the", "sea", "was", "calm", "and", "Paris", "is"], k=30)
+        cmd |= {"prompt": " ".join(words), "chat": rng.random() < 0.5}
+    else:
+        n = int(rng.triangular(1, max_seq // 2, 16))
+        cmd["input_ids"] = [rng.randrange(3, vocab) for _ in range(n)]
+    cmd["max_tokens"] = cmd.get("max_tokens", rng.randrange(1, 65))
+    if rng.random() < 0.3:
+        cmd |= {"temperature": rng.uniform(0.5, 1.5), "top_k": rng.choice([-1, 5, 50]),
+                "top_p": rng.uniform(0.5, 1.0), "seed": rng.randrange(2**31)}  # fmt: skip
+    return cmd
+
+
 @dataclass
 class Soak:
     rng: random.Random
@@ -162,23 +185,7 @@ class Soak:
     counts: Counter[str] = field(default_factory=Counter)
 
     def submit(self) -> dict[str, Any]:
-        rng, roll = self.rng, self.rng.random()
-        cmd: dict[str, Any] = {"type": "submit", "id": "s"}
-        if roll < 0.04:  # can never fit
-            cmd["input_ids"] = [5] * (self.max_seq + rng.randrange(1, 100))
-        elif roll < 0.07:  # out of range
-            cmd |= {"prompt": "hi", rng.choice(["max_tokens", "top_p", "top_k"]): 0}
-        elif roll < 0.20:  # text, sometimes through the chat template
-            words = rng.choices(["the", "sea", "was", "calm", "and", "Paris", "is"], k=30)
-            cmd |= {"prompt": " ".join(words), "chat": rng.random() < 0.5}
-        else:
-            n = int(rng.triangular(1, self.max_seq // 2, 16))
-            cmd["input_ids"] = [rng.randrange(3, self.vocab) for _ in range(n)]
-        cmd["max_tokens"] = cmd.get("max_tokens", rng.randrange(1, 65))
-        if rng.random() < 0.3:
-            cmd |= {"temperature": rng.uniform(0.5, 1.5), "top_k": rng.choice([-1, 5, 50]),
-                    "top_p": rng.uniform(0.5, 1.0), "seed": rng.randrange(2**31)}  # fmt: skip
-        return cmd
+        return random_submit(self.rng, self.max_seq, self.vocab, "s")
 
     def on_message(self, m: dict[str, Any]) -> None:
         kind = m["type"]

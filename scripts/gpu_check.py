@@ -2295,6 +2295,27 @@ def gap_verdict(
 
 
 # -- main ----------------------------------------------------------------------------------
+def run_sections(r: Report, names: list[str], section: Callable[[str], None]) -> None:
+    """Run each named section in turn, timed; a failure is recorded in the report, not raised,
+    and what would start with under 10 s left is skipped."""
+    for name in names:
+        if r.left() < 10:
+            r.say(f"\n(skipped section {name}: out of time)\n")
+            continue
+        t = time.perf_counter()
+        print(f"\n=== {name} (at {r.elapsed():.0f} s) ===", flush=True)
+        try:
+            section(name)
+        except Exception:
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+            r.say(f"\n### {name}: FAILED\n\n```\n{tb[-2500:]}\n```\n")
+        r.data.setdefault("section_s", {})[name] = time.perf_counter() - t
+        r.save()
+    r.say(f"\nTotal {r.elapsed():.0f} s.")
+    r.save()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -2323,27 +2344,14 @@ def main() -> int:
         ap.error(f"unknown sections {sorted(unknown)}; known: {SECTIONS}")
     r.say(f"# GPU check ({' '.join(sys.argv)})\n")
     sec_env(r)
-    for name in SECTIONS:
-        if name not in wanted:
-            continue
-        if r.left() < 10:
-            r.say(f"\n(skipped section {name}: out of time)\n")
-            continue
-        t = time.perf_counter()
-        print(f"\n=== {name} (at {r.elapsed():.0f} s) ===", flush=True)
-        try:
-            if name == "hf_static":
-                sec_hf_static(r, [int(b) for b in args.hf_static_batches.split(",")])
-            else:
-                globals()[f"sec_{name}"](r)
-        except Exception:
-            tb = traceback.format_exc()
-            print(tb, flush=True)
-            r.say(f"\n### {name}: FAILED\n\n```\n{tb[-2500:]}\n```\n")
-        r.data.setdefault("section_s", {})[name] = time.perf_counter() - t
-        r.save()
-    r.say(f"\nTotal {r.elapsed():.0f} s.")
-    r.save()
+
+    def section(name: str) -> None:
+        if name == "hf_static":
+            sec_hf_static(r, [int(b) for b in args.hf_static_batches.split(",")])
+        else:
+            globals()[f"sec_{name}"](r)
+
+    run_sections(r, [n for n in SECTIONS if n in wanted], section)
     return 0
 
 

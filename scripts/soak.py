@@ -35,6 +35,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_server import random_submit  # noqa: E402  (the same random mix as its soak)
 
 
 def model_path(name: str, tmp: Path) -> str:
@@ -80,24 +83,8 @@ class Traffic:
         return cid
 
     def submit(self) -> dict[str, Any]:
-        rng, roll = self.rng, self.rng.random()
         self.submitted += 1
-        cmd: dict[str, Any] = {"type": "submit", "id": self.cid("s")}
-        if roll < 0.04:  # can never fit
-            cmd["input_ids"] = [5] * (self.max_seq + rng.randrange(1, 100))
-        elif roll < 0.07:  # out of range
-            cmd |= {"prompt": "hi", rng.choice(["max_tokens", "top_p", "top_k"]): 0}
-        elif roll < 0.20:  # text, sometimes through the chat template
-            words = rng.choices(["the", "sea", "was", "calm", "and", "Paris", "is"], k=30)
-            cmd |= {"prompt": " ".join(words), "chat": rng.random() < 0.5}
-        else:
-            n = int(rng.triangular(1, self.max_seq // 2, 16))
-            cmd["input_ids"] = [rng.randrange(3, self.vocab) for _ in range(n)]
-        cmd["max_tokens"] = cmd.get("max_tokens", rng.randrange(1, 65))
-        if rng.random() < 0.3:
-            cmd |= {"temperature": rng.uniform(0.5, 1.5), "top_k": rng.choice([-1, 5, 50]),
-                    "top_p": rng.uniform(0.5, 1.0), "seed": rng.randrange(2**31)}  # fmt: skip
-        return cmd
+        return random_submit(self.rng, self.max_seq, self.vocab, self.cid("s"))
 
     def on_message(self, m: dict[str, Any]) -> None:
         kind = m["type"]

@@ -26,8 +26,6 @@ import os
 import random
 import statistics
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +44,7 @@ from gpu_check import (  # noqa: E402
     drive,
     free,
     rand_ids,
+    run_sections,
     sec_env,
     sec_warmup,
     smollm2_path,
@@ -240,21 +239,8 @@ def main() -> int:
         "exact": sec_exact,
         "bench": sec_bench,
     }
-    for name in SECTIONS:
-        if name not in wanted or (name == "warmup" and DEVICE != "cuda"):
-            continue
-        t = time.perf_counter()
-        print(f"\n=== {name} (at {r.elapsed():.0f} s) ===", flush=True)
-        try:
-            run[name](r)
-        except Exception:
-            tb = traceback.format_exc()
-            print(tb, flush=True)
-            r.say(f"\n### {name}: FAILED\n\n```\n{tb[-2500:]}\n```\n")
-        r.data.setdefault("section_s", {})[name] = time.perf_counter() - t
-        r.save()
-    r.say(f"\nTotal {r.elapsed():.0f} s.")
-    r.save()
+    names = [n for n in SECTIONS if n in wanted and (n != "warmup" or DEVICE == "cuda")]
+    run_sections(r, names, lambda name: run[name](r))
     return 0
 
 

@@ -85,7 +85,8 @@ def running_engine(model_dir: Path, *flags: str, port: int = 0) -> Iterator[str]
 def running_app(engine_url: str, **env: str) -> Iterator[str]:
     """`streamlit run app/main.py` on a free port, watching `engine_url`; yields the page URL."""
     port = free_port()
-    env = {**os.environ, "STEPSCOPE_URL": engine_url, "STEPSCOPE_AUTOSTART": "0", **env}
+    inherited = {k: v for k, v in os.environ.items() if k != "STEPSCOPE_TRACE"}  # no recording
+    env = {**inherited, "STEPSCOPE_URL": engine_url, "STEPSCOPE_AUTOSTART": "0", **env}
     argv = [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true"]
     argv += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
     proc = subprocess.Popen(

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser_floor import FLOOR_JS
 from tests.test_browser import (
     CHROMIUM,
     CHROMIUM_ARGS,
@@ -182,25 +183,6 @@ def _set_window(page: object, presses: int) -> None:
     for _ in range(presses):
         slider.press("ArrowRight")
         time.sleep(0.5)
-
-
-FLOOR_JS = """() => {
-    // The same browser's floor: one Plotly.react of a 1,000-point line, median of 20.
-    const gd = document.createElement('div');
-    gd.style.width = '1400px';
-    document.body.appendChild(gd);
-    const out = [];
-    for (let k = 0; k < 20; k++) {
-        const x = [], y = [];
-        for (let i = 0; i < 1000; i++) { x.push(i + k); y.push(Math.sin(i / 50 + k)); }
-        const t = performance.now();
-        Plotly.react(gd, [{type: 'scatter', x, y, mode: 'lines'}], {height: 400, uirevision: 1});
-        out.push(performance.now() - t);
-    }
-    Plotly.purge(gd); gd.remove();
-    out.sort((a, b) => a - b);
-    return out[10];
-}"""
 
 
 # A measurement of minutes (its steps are made live, 5-20 a second on CPU), and its figures are

@@ -141,3 +141,21 @@ def test_shapes_use_cublas_unless_timing_chose_a_kernel(tmp_path, monkeypatch) -
         "n": 4096, "k": 1024, "rows": 1,
         "config": {"block_n": 8, "block_k": 1024, "split_k": 1, "num_warps": 4, "dot": False},
     }  # fmt: skip
+
+
+def test_unknown_kernel_names_are_refused_with_their_source() -> None:
+    import subprocess
+    import sys
+
+    from engine.models.kernels import set_unfused
+
+    with pytest.raises(ValueError, match="unknown kernels \\['qvk'\\]"):
+        set_unfused(["qvk"])
+    env = {"STEPSCOPE_UNFUSED": "gemv,qvk", "PATH": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", "import engine.models.kernels"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0 and "STEPSCOPE_UNFUSED: unknown kernels ['qvk']" in done.stderr

@@ -6,11 +6,7 @@ recording through the sidebar, scrubs, and opens the second run of a comparison.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -322,31 +318,11 @@ def test_the_page_opens_a_sweep_folder(replay_app: AppTest, runs: dict) -> None:
 
 @pytest.fixture
 def replay_page(runs: dict) -> Iterator[str]:
-    from tests.test_browser import _stop, free_port
+    """The page with nothing answering at its URL, no autostart: recordings are opened in it."""
+    from tests.test_browser import free_port, running_app
 
-    port = free_port()
-    env = {**os.environ, "STEPSCOPE_URL": f"ws://127.0.0.1:{free_port()}",
-           "STEPSCOPE_AUTOSTART": "0"}  # fmt: skip
-    env.pop("STEPSCOPE_TRACE", None)
-    argv = [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true"]
-    argv += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health") as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        _stop(proc)
+    with running_app(f"ws://127.0.0.1:{free_port()}") as url:
+        yield url
 
 
 @pytest.mark.browser

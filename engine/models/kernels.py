@@ -21,10 +21,8 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's norm/RoPE/activat
 # (scripts/gpu_check.py builds engines both ways in one run): "qkv" (the fused norm + RoPE +
 # KV-store epilogue) and "gemv" (skinny matmuls for a few rows). STEPSCOPE_UNFUSED=qkv,gemv
 # turns them off from the start; `set_unfused` in-process.
-_unfused: frozenset[str] = frozenset(
-    n for n in os.environ.get("STEPSCOPE_UNFUSED", "").split(",") if n.strip()
-)
 DECODE_KERNELS = ("qkv", "gemv")
+_unfused: frozenset[str] = frozenset()
 
 
 def set_unfused(names: tuple[str, ...] | list[str]) -> None:
@@ -33,6 +31,17 @@ def set_unfused(names: tuple[str, ...] | list[str]) -> None:
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; expected some of {DECODE_KERNELS}")
     _unfused = frozenset(names)
+
+
+def _from_environment() -> None:
+    names = [n.strip() for n in os.environ.get("STEPSCOPE_UNFUSED", "").split(",") if n.strip()]
+    try:
+        set_unfused(names)
+    except ValueError as e:  # a typo must not quietly measure the wrong thing
+        raise ValueError(f"STEPSCOPE_UNFUSED: {e}") from None
+
+
+_from_environment()
 
 
 def fused_kernels(x: torch.Tensor) -> ModuleType | None:
