@@ -376,7 +376,8 @@ def test_abort_button_shows_success(page_url_busy: str) -> None:
     with browser_page(page_url_busy) as (_, page):
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
         page.get_by_text("ignore EOS").click()
-        # 8,000 tokens: the request is still decoding when the button is clicked, on any machine
+        # 60,000 tokens, minutes of decoding: still running when the button is clicked, however
+        # long a loaded machine takes to open the tab (8,000 were not, once in three on CI)
         submit(page, "Tell me a very long story about the sea. " * 3, LONG_TOKENS)
         sync_api.expect(status_line(page, "submitted: request 0")).to_be_visible()
         _open_tab(page, "Requests")
@@ -388,22 +389,24 @@ def test_abort_button_shows_success(page_url_busy: str) -> None:
         assert page.get_by_test_id("stAlertContentError").count() == 0
 
 
-LONG_TOKENS = 8000
+LONG_TOKENS = 60_000
+LONG_CONTEXT = 65_536
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_long_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """The tiny Llama with an 8,192-token context: room for a request that outlasts a click."""
+    """The tiny Llama with a 65,536-token context: room for a request that outlasts a click."""
     from tests.models import make_tiny
 
     path = tmp_path_factory.mktemp("tiny-llama-long")
-    return make_tiny("llama", path, smollm2_dir, max_position_embeddings=8192)
+    return make_tiny("llama", path, smollm2_dir, max_position_embeddings=LONG_CONTEXT)
 
 
 @pytest.fixture
 def page_url_busy(tiny_llama_long_dir: Path) -> Iterator[str]:
+    flags = ("--max-extend-tokens", "32", "--max-seq-len", str(LONG_CONTEXT))
     with (
-        running_engine(tiny_llama_long_dir, "--max-extend-tokens", "32") as engine,
+        running_engine(tiny_llama_long_dir, *flags) as engine,
         running_app(engine) as app,
     ):
         yield app
