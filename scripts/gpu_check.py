@@ -81,7 +81,7 @@ SECTIONS = (
     "overhead stall hf hf_static smollm2"
 ).split()
 # the decode kernels of engine/kernels, off ("before") and on ("after"): see engine.models.kernels
-UNFUSED = ("qkv", "gemv")
+UNFUSED = ("qkv", "gemv", "fold", "decode")
 
 
 # -- report --------------------------------------------------------------------------------
@@ -786,10 +786,12 @@ def sec_bench(r: Report) -> None:
         from engine.attention.flashinfer_backend import FlashInferAttention
 
         FlashInferAttention.decode_tensor_cores = True
+        FlashInferAttention.graph_decode_kernel = False  # FlashInfer's decode in the graphs too
         try:
             return qwen_engine(**page16)
         finally:
             FlashInferAttention.decode_tensor_cores = None
+            FlashInferAttention.graph_decode_kernel = None
 
     # (name, engine, batches, prompt length, decode kernels turned off)
     Variant = tuple[str, Callable[[], LLM], tuple[int, ...], int, tuple[str, ...]]
@@ -803,11 +805,32 @@ def sec_bench(r: Report) -> None:
             UNFUSED,
         ),
         (
+            "page 16, graphs, overlap, FlashInfer decode attention (CUDA cores) in the graphs",
+            lambda: qwen_engine(**page16),
+            (1, 16, 64, 256),
+            PROMPT_LEN,
+            ("decode",),
+        ),
+        (
+            "page 16, graphs, overlap, norms not folded into the GEMVs",
+            lambda: qwen_engine(**page16),
+            (1,),
+            PROMPT_LEN,
+            ("fold",),
+        ),
+        (
             f"page 16, graphs, overlap, context {LONG_CONTEXT:,}",
             lambda: qwen_engine(**long16),
             (16,),
             LONG_CONTEXT,
             (),
+        ),
+        (
+            f"page 16, graphs, overlap, context {LONG_CONTEXT:,}, FlashInfer decode attention",
+            lambda: qwen_engine(**long16),
+            (16,),
+            LONG_CONTEXT,
+            ("decode",),
         ),
         (
             "page 16, graphs, overlap, tensor-core decode attention",
@@ -848,6 +871,7 @@ def sec_bench(r: Report) -> None:
     if r.bench_quick:  # this round's rows: the default path, before/after, long context
         variants = [v for v in variants if "no overlap" not in v[0] and "residual" not in v[0]]
         variants = [v for v in variants if not v[0].startswith("page 1,")]
+        variants = [v for v in variants if "tensor-core" not in v[0]]  # measured in call P
     for name, make, batches, prompt_len, unfused in variants:
         if r.left() < 60:
             r.say(f"(skipped bench variant {name}: out of time)")
@@ -1310,6 +1334,11 @@ def sec_smollm2(r: Report) -> None:
     question = "What is the capital of France?"
     answer = llm.generate([question], SamplingParams(max_tokens=16), chat=True)[0]["text"]
     prompts = notes_prompts(llm, CHUNK_PROMPTS)
+    greedy_prompts = [llm.encode(question, chat=True), *prompts[:GREEDY_PROMPTS]]
+    engine_greedy = [
+        o["token_ids"]
+        for o in llm.generate(greedy_prompts, SamplingParams(max_tokens=GREEDY_TOKENS))
+    ]
     crow = chunk_rows(llm, prompts, "SmolLM2-135M-Instruct")
     logit_prompts = [*prompts[:3], llm.encode(question, chat=True)]
     del llm
@@ -1325,6 +1354,16 @@ def sec_smollm2(r: Report) -> None:
         "SmolLM2-135M-Instruct", make, hf32, hf16, logit_prompts, hf32.config.vocab_size
     )
     r.table("SmolLM2: logits against Hugging Face on the same (bf16) weights", LOGITS_HEADERS, rows)
+    grows, graw = greedy_rows(greedy_prompts, engine_greedy, hf16, hf32)
+    r.table(
+        f"SmolLM2: the engine's greedy tokens (default path: FlashInfer, graphs, the decode "
+        f"kernels) against Hugging Face generate on the same weights, {GREEDY_TOKENS} tokens "
+        "(fewer where one stops at EOS); at a divergence, HF fp32's logits of the two tokens "
+        "at that position (inputs identical up to it)",
+        GREEDY_HEADERS,
+        grows,
+    )
+    r.data["smollm2_greedy"] = graw
     r.say(f"Greedy chat answer on the GPU to {question!r}: {answer!r}")
     r.table(
         "SmolLM2: chunked against unchunked prefill (budget 8192), greedy, first 32 tokens of "
@@ -1348,6 +1387,48 @@ def sec_smollm2(r: Report) -> None:
     ]
     r.table("SmolLM2: FlashInfer against torch attention inside the engine", BACKEND_HEADERS, brows)
     r.data["smollm2"] = {"logits": raw, "chunked": crow, "backends": brows, "answer": answer}
+
+
+GREEDY_PROMPTS, GREEDY_TOKENS = 16, 32  # the chat question and this many notes prompts
+GREEDY_HEADERS = [
+    "prompt",
+    "tokens",
+    "engine = HF bf16",
+    "engine = HF fp32",
+    "first divergence from fp32",
+    "fp32 logit gap there (engine's - HF fp32's token)",
+    "fp32 top-2 gap",
+]
+
+
+def greedy_rows(
+    prompts: list[list[int]], engine: list[list[int]], hf16: Any, hf32: Any
+) -> tuple[list[list[Any]], list[dict[str, Any]]]:
+    """Per prompt: do the engine's greedy tokens equal HF bf16's and HF fp32's; where they part
+    from fp32's, how close fp32's own logits of the two tokens are (a near-tie, or a bug)."""
+
+    def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=DEV)
+            out = model.generate(x, max_new_tokens=n, do_sample=False, top_p=None, top_k=None)
+        return out[0, len(ids) :].tolist()
+
+    rows, raw = [], []
+    for i, (ids, eng) in enumerate(zip(prompts, engine, strict=True)):
+        b16, b32 = hf_greedy(hf16, ids, len(eng)), hf_greedy(hf32, ids, len(eng))
+        n = min(len(eng), len(b16), len(b32))
+        j = next((t for t in range(n) if eng[t] != b32[t]), None)
+        gap = top2 = None
+        if j is not None:
+            logits = hf_logits(hf32, ids + eng[:j], 1)[0]
+            gap = float(logits[eng[j]] - logits[b32[j]])
+            top2 = float(logits.topk(2).values.diff().abs()[0])
+        same16, same32 = eng[:n] == b16[:n], eng[:n] == b32[:n]
+        raw.append(dict(prompt_len=len(ids), n=n, same_bf16=same16, same_fp32=same32,
+                        diverge=j, gap=gap, top2=top2))  # fmt: skip
+        name = "chat question" if i == 0 else f"notes {i} ({len(ids)} tokens)"
+        rows.append([name, n, same16, same32, "-" if j is None else j, gap, top2])
+    return rows, raw
 
 
 # -- per-kernel breakdown of a decode step ---------------------------------------------------

@@ -159,3 +159,125 @@ def test_unknown_kernel_names_are_refused_with_their_source() -> None:
         text=True,
     )
     assert done.returncode != 0 and "STEPSCOPE_UNFUSED: unknown kernels ['qvk']" in done.stderr
+
+
+def _paged(lens: list[int], page: int, hk: int, d: int, g: torch.Generator):
+    """A shuffled paged cache holding len(lens) requests, and its index arrays."""
+    npages = [-(-n // page) for n in lens]
+    order = torch.randperm(sum(npages) + 3, generator=g, device=DEVICE)
+    k = torch.randn(len(order) * page, hk, d, device=DEVICE, generator=g).to(DTYPE)
+    v = torch.randn(len(order) * page, hk, d, device=DEVICE, generator=g).to(DTYPE)
+    indptr = torch.tensor([0] + npages, device=DEVICE).cumsum(0).to(torch.int32)
+    return k, v, indptr, order[: int(indptr[-1])].to(torch.int32)
+
+
+@pytest.mark.parametrize("hq,hk,d,page", [(16, 8, 128, 16), (9, 3, 64, 1), (4, 4, 64, 16)])
+@pytest.mark.parametrize("splits", [1, 8])
+def test_decode_attention_matches_softmax_over_the_pages(
+    hq: int, hk: int, d: int, page: int, splits: int
+) -> None:
+    from engine.kernels.decode import Config, Workspace, decode_attention
+
+    g = torch.Generator(device=DEVICE).manual_seed(hq * page + splits)
+    # one key; one page exactly; one past it; long enough that every split has keys, and
+    # short ones that leave most splits empty
+    lens = [1, 16, 17, 150]
+    k, v, indptr, indices = _paged(lens, page, hk, d, g)
+    q = torch.randn(len(lens), hq, d, device=DEVICE, generator=g).to(DTYPE)
+    ws = Workspace.for_batch(len(lens), hk, hq // hk, d, splits, DEVICE)
+    kv_len = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # a second launch finds the tickets reset
+        out = decode_attention(
+            q, k, v, kv_len, indptr, indices, page, d**-0.5, Config(splits, 16), ws
+        )
+    assert not ws.ticket.any()
+    for i, n in enumerate(lens):
+        pages = indices[indptr[i] : indptr[i + 1]].long()
+        slots = (pages[:, None] * page + torch.arange(page, device=DEVICE)).flatten()[:n]
+        kk = k[slots].float().repeat_interleave(hq // hk, 1)
+        vv = v[slots].float().repeat_interleave(hq // hk, 1)
+        p = (torch.einsum("hd,nhd->hn", q[i].float(), kk) * d**-0.5).softmax(-1)
+        want = torch.einsum("hn,nhd->hd", p, vv)
+        assert rel_err(out[i], want) < (1e-2 if CUDA else 1e-5), (i, n)
+
+
+def test_decode_splits_fill_the_device_and_stop_once_the_batch_does() -> None:
+    from engine.kernels.decode import config_for
+
+    assert config_for(1, 8, 2, 128, sms=132).splits == 32  # 8 programs: split the keys
+    assert config_for(16, 8, 2, 128, sms=132).splits == 4
+    assert config_for(64, 8, 2, 128, sms=132).splits == 1  # 512 programs fill 132 SMs
+    assert config_for(1, 8, 2, 128, sms=132).block_n * 2 * 128 <= 8192
+
+
+def _hf_norm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm, with its roundings: normalize in float32, round, scale, round."""
+    f = h.float()
+    n = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return (w.float() * n.float()).to(h.dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("act", [False, True])
+def test_norm_gemv_folds_the_residual_add_norm_and_activation(
+    rows: int, first: bool, act: bool
+) -> None:
+    from engine.kernels.gemv import Config, norm_gemv
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows * 2 + act)
+    n, k, eps = 100, 300, 1e-6  # n and k off the blocks: the masks are exercised
+    x = None if first else (torch.randn(rows, k, device=DEVICE, generator=g) * 2).to(DTYPE)
+    res = torch.randn(rows, k, device=DEVICE, generator=g).to(DTYPE)
+    nw = (torch.rand(k, device=DEVICE, generator=g) + 0.5).to(DTYPE)
+    w = (torch.randn(2 * n if act else n, k, device=DEVICE, generator=g) / k**0.5).to(DTYPE)
+    b = None if act else torch.randn(n, device=DEVICE, generator=g).to(DTYPE)
+    before = res.clone()
+    y, r_out = norm_gemv(x, res, nw, eps, w, b, Config(block_n=8, block_k=128), act=act)
+    want_r = before if x is None else (x.float() + before.float()).to(DTYPE)
+    xn = _hf_norm(want_r, nw, eps)
+    proj = torch.nn.functional.linear(xn.float(), w.float(), None if b is None else b.float())
+    if act:
+        gate, up = proj.to(DTYPE).float().chunk(2, dim=-1)
+        proj = torch.nn.functional.silu(gate) * up
+    assert torch.equal(res, before)  # the input residual is left as it was
+    assert torch.equal(r_out, want_r)
+    assert y.shape == (rows, n) and rel_err(y, proj) < (1e-2 if CUDA else 1e-5)
+
+
+def test_the_model_gives_the_same_tokens_with_the_norms_folded(tiny_qwen3_dir, monkeypatch) -> None:
+    """The decoder layer's folded path (residual add and norm inside the qkv and gate-up GEMVs,
+    the activation inside gate-up, the first layer's norm alone) against its unfolded one. On
+    CPU the kernels run in the interpreter, in float32, so only the wiring can differ."""
+    from engine import LLM, SamplingParams
+    from engine.kernels import gemv as G
+    from engine.models import parallel
+
+    prompt = list(range(40, 61))
+    # the second request ends first: decode steps of two rows, then of one
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 3)]
+
+    def tokens() -> list[dict]:
+        llm = LLM(str(tiny_qwen3_dir), page_size=4, max_running_req=2, progress=False)
+        return llm.generate([prompt, prompt[:9]], params)
+
+    plain = tokens()
+    folds: list[tuple[int, int]] = []
+    real = G.norm_gemv
+
+    def counted(x, residual, *args, **kw):
+        folds.append((residual.shape[0], kw.get("act", False)))
+        return real(x, residual, *args, **kw)
+
+    monkeypatch.setattr(G, "norm_gemv", counted)
+    monkeypatch.setattr(G, "_table", {})
+    monkeypatch.setattr(parallel, "folded_gemv", lambda x: G)
+    monkeypatch.setattr(parallel, "device_name", lambda device: "interpreter")
+    for n in (256,):  # qkv (4 x 32 + 2 x 2 x 32) and gate-up (2 x 128) of the tiny Qwen3
+        for rows in (1, 2):
+            G.set_choice(n, 64, rows, G.Config(block_n=8, block_k=32))
+    folded = tokens()
+    assert [o["token_ids"] for o in folded] == [o["token_ids"] for o in plain]
+    # decode steps of one and two rows folded both norms of both layers; prefill did not
+    assert {(1, False), (1, True), (2, False), (2, True)} <= set(folds)
+    assert all(rows <= 2 for rows, _ in folds)

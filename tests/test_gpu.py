@@ -383,6 +383,35 @@ def test_cuda_graph_matches_eager(make_llm: Callable[..., Any], wide_qwen3: Path
                 assert rel_err(y.logits[step], x.logits[step]) < BF16_RTOL
 
 
+def test_graph_decode_kernel_matches_flashinfer_decode(
+    make_llm: Callable[..., Any], wide_qwen3: Path
+) -> None:
+    """The decode graphs' one-launch split-KV attention (engine/kernels/decode.py) against
+    FlashInfer's decode wrapper in the same graphs: keys split 32 ways at one row, a few ways
+    at 12, not at all at 40 rows."""
+    from engine.attention.flashinfer_backend import FlashInferAttention
+    from engine.sampling import SamplingParams
+
+    ours = make_llm(wide_qwen3, max_running_req=48)
+    assert all(m.decode is not None for m in ours.runner.graphs.metas.values())
+    FlashInferAttention.graph_decode_kernel = False
+    try:
+        theirs = make_llm(wide_qwen3, max_running_req=48)
+    finally:
+        FlashInferAttention.graph_decode_kernel = None
+    assert all(m.decode is None for m in theirs.runner.graphs.metas.values())
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for n in (1, 12, 40):
+        prompts = random_prompts(n, 10, 900, seed=20 + n)
+        a, b = trace_run(theirs, prompts, params), trace_run(ours, prompts, params)
+        assert compare_greedy(a, b, 12)["mismatches"] == 0
+        for x, y in zip(a, b, strict=True):
+            for step in range(min(len(x.tokens), len(y.tokens))):
+                if x.tokens[:step] != y.tokens[:step]:
+                    break
+                assert rel_err(y.logits[step], x.logits[step]) < BF16_RTOL
+
+
 def test_chunked_prefill_matches_unchunked(make_llm: Callable[..., Any], wide_qwen3: Path) -> None:
     from engine.sampling import SamplingParams
 

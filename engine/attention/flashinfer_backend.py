@@ -4,12 +4,16 @@ Each step is planned once from CPU index arrays built off the page table: the pr
 (causal, queries aligned to the end of each request's KV, so a chunk after a cached prefix is the
 same call as a fresh prompt) serves prefill and mixed steps; the decode wrapper serves steps where
 every request adds one token. For CUDA graphs the backend also hands out one decode
-wrapper per captured batch size, bound to fixed index buffers that `plan_graph` refills.
+wrapper per captured batch size, bound to fixed index buffers that `plan_graph` refills; where
+the head shape allows, a graph decodes instead through the one-launch split-KV kernel of
+engine/kernels/decode.py (FlashInfer's decode is a kernel and a merge a layer), from index
+buffers of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import flashinfer
 import torch
@@ -18,6 +22,7 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.attention.pages import PageIndex, page_index
 from engine.kvcache.pool import KVPool
 from engine.kvcache.table import PageTable
+from engine.models.kernels import decode_attention_kernel
 
 # Split-KV partial results live here; 256 MB covers a 256-request decode with long contexts.
 WORKSPACE_BYTES = 256 << 20
@@ -28,9 +33,23 @@ Wrapper = (
 
 
 @dataclass(frozen=True, slots=True)
+class GraphDecode:
+    """A decode graph's inputs for engine.kernels.decode: one int32 buffer that `plan_graph`
+    fills with one copy (lengths, page indptr, page indices), and the launch's configuration."""
+
+    buf: torch.Tensor
+    kv_len: torch.Tensor  # [B]: views into buf
+    page_indptr: torch.Tensor  # [B + 1]
+    page_indices: torch.Tensor  # [max pages]
+    config: Any  # engine.kernels.decode.Config
+    workspace: Any  # engine.kernels.decode.Workspace
+
+
+@dataclass(frozen=True, slots=True)
 class FlashInferMeta:
-    wrapper: Wrapper
+    wrapper: Wrapper | None  # None: a graph that decodes through `decode`
     out_loc: torch.Tensor  # KV slot of every new token, on the device
+    decode: GraphDecode | None = None
 
 
 class FlashInferAttention(AttentionBackend):
@@ -40,6 +59,9 @@ class FlashInferAttention(AttentionBackend):
     # (Qwen3-0.6B shape, 2 query heads per KV head): CUDA cores 2.57 ms a step at batch 64
     # against 2.71 with tensor cores, the same at batch 1 (the GPU check times both).
     decode_tensor_cores: bool | None = None
+    # Decode graphs through engine/kernels/decode.py where the head shape allows (None), or
+    # always through FlashInfer (False).
+    graph_decode_kernel: bool | None = None
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
@@ -59,6 +81,9 @@ class FlashInferAttention(AttentionBackend):
         )
         self._graph_indices: torch.Tensor | None = None
         self._planned: torch.cuda.Event | None = None
+        use = self.graph_decode_kernel is not False
+        group = num_heads // num_kv_heads
+        self._decode_kernel = decode_attention_kernel(group, head_dim) if use else None
 
     def prepare(self, layout: BatchLayout) -> FlashInferMeta:
         idx = page_index(layout.table, layout.rows, layout.ends, self.page_size)
@@ -81,6 +106,20 @@ class FlashInferAttention(AttentionBackend):
         # write first: a request's new tokens are part of what it attends to
         if k is not None and v is not None:
             self.pool.store(layer, meta.out_loc, k, v)
+        if (d := meta.decode) is not None:
+            return self._decode_kernel.decode_attention(
+                q,
+                self.pool.k[layer],
+                self.pool.v[layer],
+                d.kv_len,
+                d.page_indptr,
+                d.page_indices,
+                self.page_size,
+                self.scale,
+                d.config,
+                d.workspace,
+            )
+        assert meta.wrapper is not None
         return meta.wrapper.run(q, self.pool.paged(layer))
 
     def new_token_slots(self, meta: FlashInferMeta) -> torch.Tensor:
@@ -91,6 +130,8 @@ class FlashInferAttention(AttentionBackend):
         """A decode wrapper for a graph of `batch_size` rows whose index arrays live in fixed
         buffers; `max_pages` bounds the pages of one batch. Every graph shares the indices
         buffer, since one graph runs at a time."""
+        if self._decode_kernel is not None:
+            return self._graph_decode(batch_size, out_loc, max_pages)
         if self._graph_indices is None or self._graph_indices.numel() < max_pages:
             self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -108,6 +149,19 @@ class FlashInferAttention(AttentionBackend):
         )
         return FlashInferMeta(wrapper, out_loc)
 
+    def _graph_decode(self, g: int, out_loc: torch.Tensor, max_pages: int) -> FlashInferMeta:
+        mod = self._decode_kernel
+        assert mod is not None
+        group = self.num_heads // self.num_kv_heads
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        cfg = mod.config_for(g, self.num_kv_heads, group, self.head_dim, sms)
+        ws = mod.Workspace.for_batch(
+            g, self.num_kv_heads, group, self.head_dim, cfg.splits, self.device
+        )
+        buf = torch.zeros(2 * g + 1 + max_pages, dtype=torch.int32, device=self.device)
+        kv_len, indptr, indices = buf.split([g, g + 1, max_pages])
+        return FlashInferMeta(None, out_loc, GraphDecode(buf, kv_len, indptr, indices, cfg, ws))
+
     def plan_graph(
         self,
         meta: FlashInferMeta,
@@ -120,6 +174,13 @@ class FlashInferAttention(AttentionBackend):
         up to the graph's batch size. Call before every replay: plan cannot be captured."""
         pad = meta.out_loc.numel() - len(rows)
         idx = page_index(table, rows, lengths, self.page_size, pad, pad_page)
+        if (d := meta.decode) is not None:
+            lens = torch.tensor(lengths + [1] * pad, dtype=torch.int32)
+            host = torch.cat([lens, idx.indptr, idx.indices])
+            # stream-ordered after the step still running, which reads the same buffer
+            d.buf[: host.numel()].copy_(host, non_blocking=True)
+            return
+        assert meta.wrapper is not None
         # on the device already: FlashInfer copies host indices into the graph's buffer with a
         # blocking copy, which would wait for the step still running
         idx = PageIndex(

@@ -82,6 +82,83 @@ def _gemv_kernel(
         tl.atomic_add(out, acc, mask=ok, sem="relaxed")
 
 
+@triton.jit
+def _norm_gemv_kernel(
+    X,
+    R,
+    R_out,
+    NW,
+    W,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    eps,
+    stride_xm,
+    stride_rm,
+    stride_om,
+    stride_wn,
+    stride_ym,
+    HAS_X: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y = norm(x + r) @ W.T (+ b), and r_out = x + r; with ACT, W is [gate; up] (2N rows)
+    and y = silu(gate) * up. Rounded where Hugging Face's modules round: the residual sum, the
+    normalized row, its product with the norm weight, the projection, the activation."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    dtype = W.dtype.element_ty
+    # the row's mean square: every program reads the few rows whole (from L2 after the first)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        ok = m_ok[:, None] & (rk < K)[None, :]
+        h = tl.load(R + rm[:, None] * stride_rm + rk[None, :], mask=ok, other=0.0)
+        if HAS_X:
+            h = (h.to(tl.float32) + tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=ok,
+                                            other=0.0).to(tl.float32)).to(dtype)  # fmt: skip
+        hf = h.to(tl.float32)
+        sq += tl.sum(hf * hf, axis=1)
+    inv = tl.rsqrt(sq / K + eps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        ok = m_ok[:, None] & k_ok[None, :]
+        h = tl.load(R + rm[:, None] * stride_rm + rk[None, :], mask=ok, other=0.0)
+        if HAS_X:
+            h = (h.to(tl.float32) + tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=ok,
+                                            other=0.0).to(tl.float32)).to(dtype)  # fmt: skip
+            if pid == 0:  # one program writes the new residual stream
+                tl.store(R_out + rm[:, None] * stride_om + rk[None, :], h, mask=ok)
+        nw = tl.load(NW + rk, mask=k_ok, other=0.0).to(tl.float32)
+        xn = (h.to(tl.float32) * inv[:, None]).to(dtype).to(tl.float32)
+        xn = (xn * nw[None, :]).to(dtype).to(tl.float32)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
+        acc += tl.sum(xn[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if ACT:
+            wu = tl.load(W + (rn + N)[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
+            acc_up += tl.sum(xn[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    out = Y + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 @dataclass(frozen=True)
 class Config:
     block_n: int
@@ -132,6 +209,66 @@ def gemv(
     if split > 1:
         out = out.to(x.dtype)
     return out.view(*shape[:-1], n)
+
+
+def norm_gemv(
+    x: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: Config,
+    act: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) @ weight.T + bias, x + residual) for a few rows, in one kernel: the
+    residual add and RMSNorm before a projection, folded into its GEMV. With `act`, weight is
+    the fused [gate; up] projection and the first result silu(gate) * up. x None: the norm of
+    `residual` alone (the first layer), which is returned as it is."""
+    h = residual.shape[-1]
+    r2 = residual.reshape(-1, h)
+    m = r2.shape[0]
+    n = weight.shape[0] // 2 if act else weight.shape[0]
+    assert m <= GEMV_ROWS and weight.shape[1] == h and weight.stride(1) == 1 and r2.stride(1) == 1
+    assert not config.dot and config.split_k == 1 and not (act and bias is not None)
+    x2 = None if x is None else x.reshape(-1, h)
+    assert x2 is None or x2.stride(1) == 1
+    # not in place: every program reads the residual that one of them rewrites
+    r_out = r2 if x2 is None else torch.empty((m, h), dtype=r2.dtype, device=r2.device)
+    y = torch.empty((m, n), dtype=weight.dtype, device=weight.device)
+    block_n = max(1, config.block_n // 2) if act else config.block_n  # weight rows per program
+    if m:
+        _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x2 if x2 is not None else r2,
+            r2,
+            r_out,
+            norm_weight,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            m,
+            n,
+            h,
+            eps,
+            x2.stride(0) if x2 is not None else 0,
+            r2.stride(0),
+            r_out.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            HAS_X=x2 is not None,
+            HAS_BIAS=bias is not None,
+            ACT=act,
+            BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=block_n,
+            BLOCK_K=config.block_k,
+            num_warps=config.num_warps,
+        )
+    return y.view(*residual.shape[:-1], n), r_out.view(residual.shape)
+
+
+def foldable(cfg: Config | None) -> bool:
+    """Whether a shape's tuned config can take the norm (and activation) folded in."""
+    return cfg is not None and not cfg.dot and cfg.split_k == 1
 
 
 # the search space, narrowed by a first H200 run (2026-12-01, call 1): every winner at 1 to 8

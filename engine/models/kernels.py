@@ -19,9 +19,11 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's norm/RoPE/activat
 
 # The decode kernels of engine/kernels that can be turned off, to measure what they bring
 # (scripts/gpu_check.py builds engines both ways in one run): "qkv" (the fused norm + RoPE +
-# KV-store epilogue) and "gemv" (skinny matmuls for a few rows). STEPSCOPE_UNFUSED=qkv,gemv
-# turns them off from the start; `set_unfused` in-process.
-DECODE_KERNELS = ("qkv", "gemv")
+# KV-store epilogue), "gemv" (skinny matmuls for a few rows), "fold" (the residual add, RMSNorm
+# and, before the MLP, its activation folded into those GEMVs) and "decode" (the one-launch
+# split-KV decode attention in the CUDA graphs). STEPSCOPE_UNFUSED=qkv,gemv,fold,decode turns
+# them off from the start; `set_unfused` in-process.
+DECODE_KERNELS = ("qkv", "gemv", "fold", "decode")
 _unfused: frozenset[str] = frozenset()
 
 
@@ -103,6 +105,19 @@ def skinny_gemv(x: torch.Tensor) -> ModuleType | None:
     if mod is None or x.numel() > mod.MAX_ROWS * x.shape[-1]:
         return None
     return mod
+
+
+def decode_attention_kernel(group: int, head_dim: int) -> ModuleType | None:
+    """engine.kernels.decode when decode graphs of this head shape can use it, else None."""
+    if "decode" in _unfused:
+        return None
+    mod = _triton_module("decode")
+    return mod if mod is not None and mod.supports(group, head_dim) else None
+
+
+def folded_gemv(x: torch.Tensor) -> ModuleType | None:
+    """engine.kernels.gemv when the norm before a projection of x may fold into its GEMV."""
+    return None if "fold" in _unfused else skinny_gemv(x)
 
 
 @functools.cache

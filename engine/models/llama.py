@@ -91,8 +91,18 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), positions, rope, backend, meta)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        meta: Any,
+    ) -> torch.Tensor:
+        """The layer's attention output from its q/k/v projection (o_proj applied)."""
+        n = qkv.shape[0]
         slots = backend.new_token_slots(meta)
         ep = qkv_epilogue(qkv, self.head_dim) if slots is not None else None
         if ep is not None and rope.cos_sin is not None:
@@ -161,16 +171,42 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it): the caller adds the two,
         fused into the next norm. The first layer gets the embeddings as `h` (no residual yet),
         or, for a float32 residual stream, already as `residual` (and no `h`)."""
-        if h is None:
-            assert residual is not None
-            x = self.input_layernorm(residual)
-        elif residual is None:
-            residual, x = h, self.input_layernorm(h)
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        # a few decode rows on CUDA: each norm runs inside the GEMV of the projection after it
+        stream = residual if residual is not None else h
+        fold = attn.qkv_proj.folded(h) if h is not None and stream is not None else None
+        if fold is not None and stream is not None and stream.dtype == ln1.weight.dtype:
+            g, cfg = fold
+            qkv, residual = g.norm_gemv(
+                None if residual is None else h,
+                stream,
+                ln1.weight,
+                ln1.eps,
+                attn.qkv_proj.weight,
+                attn.qkv_proj.bias,
+                cfg,
+            )
+            x = attn.attend(qkv, positions, rope, backend, meta)
         else:
-            x, residual = self.input_layernorm.add_forward(h, residual)
-        x = self.self_attn(x, positions, rope, backend, meta)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+            if h is None:
+                assert residual is not None
+                x = ln1(residual)
+            elif residual is None:
+                residual, x = h, ln1(h)
+            else:
+                x, residual = ln1.add_forward(h, residual)
+            x = attn(x, positions, rope, backend, meta)
+        assert residual is not None
+        fold = mlp.gate_up_proj.folded(x) if residual.dtype == x.dtype else None
+        if fold is not None and mlp.gate_up_proj.bias is None:
+            g, cfg = fold
+            act, residual = g.norm_gemv(
+                x, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight, None, cfg, act=True
+            )
+            return mlp.down_proj(act), residual
+        x, residual = ln2.add_forward(x, residual)
+        return mlp(x), residual
 
 
 class DecoderBody(nn.Module):

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.kernels import device_name, invariant_linear, skinny_gemv
+from engine.models.kernels import device_name, folded_gemv, invariant_linear, skinny_gemv
 
 
 def split(n: int, size: int, rank: int) -> tuple[int, int]:
@@ -198,6 +199,18 @@ class Linear(nn.Linear):
             if cfg is not None:
                 return g.gemv(x, self.weight, self.bias, cfg)
         return super().forward(x)
+
+    def folded(self, x: torch.Tensor) -> tuple[ModuleType, Any] | None:
+        """(engine.kernels.gemv, config) when the residual add and RMSNorm before this
+        projection of x's few rows can run inside its GEMV, else None."""
+        if self.batch_invariant or (g := folded_gemv(x)) is None:
+            return None
+        n, k = self.weight.shape
+        rows = x.numel() // k
+        if rows > g.GEMV_ROWS or x.dtype != self.weight.dtype:
+            return None
+        cfg = g.choose(n, k, rows, device_name(x.device))
+        return (g, cfg) if g.foldable(cfg) else None
 
 
 class RowParallelLinear(Linear):
