@@ -77,7 +77,7 @@ LONG_CONTEXT = 4096  # the bench's long-context row (batch 16)
 CHUNK_PROMPTS = 32  # prompts of the chunked-vs-unchunked comparison
 OVERHEAD_ROUNDS = 8
 SECTIONS = (
-    "warmup pytest bandwidth gemv logits backends chunked syncs profile kernels gap bench "
+    "warmup pytest bandwidth gemv decode logits backends chunked syncs profile kernels gap bench "
     "overhead stall hf hf_static smollm2"
 ).split()
 # the decode kernels of engine/kernels, off ("before") and on ("after"): see engine.models.kernels
@@ -476,6 +476,128 @@ def sec_bandwidth(r: Report) -> None:
     )
     del x, y
     free()
+
+
+# decode attention alone: (batch, context) cases, and the kernel configurations tried
+DECODE_CASES = ((1, 535), (16, 535), (64, 535), (256, 535), (16, 4096))
+DECODE_LAYERS = 28  # one launch per layer, each over its own layer's cache (more than L2 holds)
+
+
+def decode_configs(base: Any) -> list[Any]:
+    """engine.kernels.decode configurations around `base` (the engine's choice): key blocks,
+    warps, pipeline stages, and half and twice the split."""
+    from engine.kernels.decode import Config
+
+    out = {base}
+    for bn in (16, 32, 64):
+        for warps in (2, 4, 8):
+            out.add(Config(base.splits, bn, warps, base.num_stages))
+    for stages in (1, 3):
+        out.add(Config(base.splits, base.block_n, base.num_warps, stages))
+    for sp in (base.splits // 2, base.splits * 2):
+        if 1 <= sp <= 64:
+            out.add(Config(sp, base.block_n, base.num_warps, base.num_stages))
+    return sorted(out, key=lambda c: (c.splits, c.block_n, c.num_warps, c.num_stages))
+
+
+def decode_step_us(case: tuple[Any, ...], use_kernel: bool, cfg: Any = None) -> float:
+    """µs of one decode step's attention, all layers, replayed from a CUDA graph: FlashInfer's
+    decode wrapper, or engine/kernels/decode.py in `cfg` (None: the engine's choice)."""
+    from engine.attention import flashinfer_backend as FB
+    from engine.kernels import decode as D
+
+    pool, table, q, ctx, pages_per = case
+    bs, hq, hd = q.shape
+    chosen = D.config_for
+    FB.FlashInferAttention.graph_decode_kernel = use_kernel
+    if cfg is not None:
+        D.config_for = lambda *a, **k: cfg
+    try:
+        be = FB.FlashInferAttention(pool, hq, pool.k.shape[2], hd)
+        loc = torch.zeros(bs, dtype=torch.int64, device=DEV)
+        meta = be.graph_meta(bs, loc, bs * (pages_per + 1))
+    finally:
+        FB.FlashInferAttention.graph_decode_kernel = None
+        D.config_for = chosen
+    be.plan_graph(meta, table, list(range(bs)), [ctx] * bs, 0)
+    for layer in range(2):
+        be.forward(q, None, None, layer, meta)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(DECODE_LAYERS):
+            be.forward(q, None, None, layer, meta)
+    be.plan_graph(meta, table, list(range(bs)), [ctx] * bs, 0)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / 10
+
+
+def sec_decode(r: Report) -> None:
+    """Decode attention alone, replayed from CUDA graphs of one launch per layer: FlashInfer's
+    decode wrapper (the kernel and its split-KV merge) against engine/kernels/decode.py in
+    the configuration the engine picks and those around it."""
+    from types import SimpleNamespace
+
+    from engine.kernels import decode as D
+    from engine.kvcache.pool import KVPool
+
+    bw = r.data.get("copy_bw") or 4.28e12
+    hq, hk, hd, page = 16, 8, 128, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows, raw = [], {}
+    for bs, ctx in DECODE_CASES:
+        if r.left() < 40:
+            r.say(f"(skipped decode batch {bs}: out of time)")
+            continue
+        pages_per = -(-ctx // page)
+        num_pages = bs * pages_per + 2
+        pool = KVPool(DECODE_LAYERS, num_pages, page, hk, hd, torch.bfloat16, torch.device(DEV))
+        pool.k.normal_()
+        pool.v.normal_()
+        perm = torch.randperm(num_pages - 1)[: bs * pages_per] + 1  # page 0: the padding page
+        slots = torch.zeros(bs, pages_per * page + page, dtype=torch.int64)
+        slots[:, : pages_per * page] = (
+            perm.view(bs, pages_per, 1) * page + torch.arange(page)
+        ).view(bs, -1)
+        table = SimpleNamespace(slots=slots)
+        q = torch.randn(bs, hq, hd, dtype=torch.bfloat16, device=DEV)
+        kv_bytes = DECODE_LAYERS * bs * ctx * hk * hd * 2 * 2
+        case = (pool, table, q, ctx, pages_per)
+        base = D.config_for(bs, hk, hq // hk, hd, sms)
+        fi_us = decode_step_us(case, False)
+        results: list[tuple[str, float]] = [("FlashInfer decode (CUDA cores)", fi_us)]
+        for cfg in decode_configs(base):
+            name = (
+                f"splits {cfg.splits}, keys {cfg.block_n}, warps {cfg.num_warps}, "
+                f"stages {cfg.num_stages}" + (" (the engine's)" if cfg == base else "")
+            )
+            try:
+                results.append((name, decode_step_us(case, True, cfg)))
+            except Exception as e:  # a config that does not compile: say so, go on
+                r.say(f"decode {bs}x{ctx} {name}: {type(e).__name__}: {str(e)[:200]}")
+        best = min(results[1:], key=lambda x: x[1], default=("-", float("nan")))
+        fi = results[0][1]
+        mine = next((us for n, us in results if "engine's" in n), float("nan"))
+        raw[f"{bs}x{ctx}"] = {"flashinfer_us": fi, "engine_us": mine, "all": results}
+        floor = kv_bytes / bw * 1e6
+        rows.append([bs, ctx, fi, mine, best[0], best[1], floor, kv_bytes / (best[1] * 1e-6) / 1e9])
+        print(bs, ctx, results, flush=True)
+        del pool, case
+        free()
+    r.data["decode_attention"] = raw
+    r.table(
+        f"Decode attention alone, {DECODE_LAYERS} layers (one graph), Qwen3-0.6B heads "
+        f"({hq} q, {hk} KV, dim {hd}), page {page}: µs per step",
+        ["batch", "context", "FlashInfer", "engine's config", "fastest config", "its µs",
+         "floor (KV bytes at copy rate)", "fastest GB/s"],
+        rows,
+    )  # fmt: skip
 
 
 BACKEND_HEADERS = ["model", "step kind", "steps compared", "worst relative error of logits"]

@@ -8,6 +8,11 @@
 #                                            #   then the GPU tests with that table in place
 #   bash scripts/gpu_round.sh OUT final      # call 4, with that table committed: kernel tables
 #                                            #   before/after, bench, Hugging Face static cache
+# The second round (2026-12-02: the one-launch decode attention, the norms folded into the GEMVs):
+#   bash scripts/gpu_round.sh OUT decode     # decode attention alone per config, kernel tables
+#                                            #   before/after, bench
+#   bash scripts/gpu_round.sh OUT tests      # the GPU tests (carries the GGUF's first half)
+#   bash scripts/gpu_round.sh OUT smollm2    # right after: the real SmolLM2 weights, greedy
 #
 # Carried (the machine has no internet): .whl (FlashInfer 0.5.3, apache-tvm-ffi, gguf),
 # .dev/ss.tgz (a tokenizer-only copy of the converted SmolLM2, which the dummy-weight configs
@@ -56,6 +61,15 @@ case $CALL in
       -k skinny 2>&1 | grep -v Warning | tail -30 > "$OUT/skinny_test.txt"
     python3 scripts/gpu_check.py --out "$OUT" --deadline-s 540 --bench-quick \
       --sections warmup,bandwidth,kernels,bench,hf_static --hf-static-batches 1,64 \
+      2>&1 | tee "$OUT/log.txt"
+    ;;
+  decode)
+    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 520 --bench-quick \
+      --sections warmup,bandwidth,decode,kernels,bench 2>&1 | tee "$OUT/log.txt"
+    ;;
+  tests)
+    PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT" --deadline-s 500 \
+      --sections warmup,pytest --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py \
       2>&1 | tee "$OUT/log.txt"
     ;;
   *) echo "unknown call $CALL" >&2; exit 2 ;;

@@ -97,7 +97,7 @@ def _decode_kernel(
         tl.store(out_ptr, (acc / l[:, None]).to(Out.dtype.element_ty), mask=out_ok)
     else:
         # this split's partial: [output (BLOCK_G x BLOCK_D), max (BLOCK_G), sum (BLOCK_G)]
-        STRIDE: tl.constexpr = BLOCK_G * (BLOCK_D + 2)
+        STRIDE = BLOCK_G * (BLOCK_D + 2)
         pair = b * tl.num_programs(1) + kvh
         base = Part + pair.to(tl.int64) * (SPLITS * STRIDE)
         mine = base + split * STRIDE
