@@ -8,11 +8,16 @@
 #                                            #   then the GPU tests with that table in place
 #   bash scripts/gpu_round.sh OUT final      # call 4, with that table committed: kernel tables
 #                                            #   before/after, bench, Hugging Face static cache
-# The second round (2026-12-02: the one-launch decode attention, the norms folded into the GEMVs):
-#   bash scripts/gpu_round.sh OUT decode     # decode attention alone per config, kernel tables
-#                                            #   before/after, bench
-#   bash scripts/gpu_round.sh OUT tests      # the GPU tests (carries the GGUF's first half)
-#   bash scripts/gpu_round.sh OUT smollm2    # right after: the real SmolLM2 weights, greedy
+# The second round (2026-12-02: the one-launch decode attention, the norms folded into the GEMVs,
+# programmatic dependent launch):
+#   bash scripts/gpu_round.sh OUT decode     # call Q: decode attention alone, kernels, bench
+#   bash scripts/gpu_round.sh OUT measure    # call R (carries the GGUF's first half): tune the
+#                                            #   decode attention per graph size (the table
+#                                            #   waits in /tmp/persist), kernel tables
+#                                            #   before/after, bench, Hugging Face static cache
+#   bash scripts/gpu_round.sh OUT verify     # call S, right after (the second half): the GPU
+#                                            #   tests with that table, the real SmolLM2's greedy
+#                                            #   tokens and logits against Hugging Face
 #
 # Carried (the machine has no internet): .whl (FlashInfer 0.5.3, apache-tvm-ffi, gguf),
 # .dev/ss.tgz (a tokenizer-only copy of the converted SmolLM2, which the dummy-weight configs
@@ -67,10 +72,25 @@ case $CALL in
     python3 scripts/gpu_check.py --out "$OUT" --deadline-s 520 --bench-quick \
       --sections warmup,bandwidth,decode,kernels,bench 2>&1 | tee "$OUT/log.txt"
     ;;
-  tests)
-    PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT" --deadline-s 500 \
-      --sections warmup,pytest --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py \
+  measure)
+    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 --bench-quick \
+      --sections warmup,bandwidth,decode,kernels,bench,hf_static --hf-static-batches 1,64 \
       2>&1 | tee "$OUT/log.txt"
+    cp "$OUT/decode_tuned.json" /tmp/persist/
+    ;;
+  verify)
+    if [ -f /tmp/persist/decode_tuned.json ]; then
+      cp /tmp/persist/decode_tuned.json engine/kernels/decode_tuned.json
+    else
+      echo "no tuned decode table from the last call (a fresh machine): the default rule"
+    fi
+    if [ -f /tmp/persist/gguf.partaa ] && [ -f /tmp/persist/gguf.partab ]; then
+      cat /tmp/persist/gguf.partaa /tmp/persist/gguf.partab > /tmp/smollm2.gguf
+      export SMOLLM2_GGUF=/tmp/smollm2.gguf
+    fi
+    PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 \
+      --bench-quick --sections warmup,pytest,smollm2 \
+      --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py 2>&1 | tee "$OUT/log.txt"
     ;;
   *) echo "unknown call $CALL" >&2; exit 2 ;;
 esac

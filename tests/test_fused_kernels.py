@@ -171,10 +171,13 @@ def _paged(lens: list[int], page: int, hk: int, d: int, g: torch.Generator):
     return k, v, indptr, order[: int(indptr[-1])].to(torch.int32)
 
 
-@pytest.mark.parametrize("hq,hk,d,page", [(16, 8, 128, 16), (9, 3, 64, 1), (4, 4, 64, 16)])
+@pytest.mark.parametrize(
+    "hq,hk,d,page,dot",
+    [(16, 8, 128, 16, False), (16, 8, 128, 16, True), (9, 3, 64, 1, True), (4, 4, 64, 16, False)],
+)
 @pytest.mark.parametrize("splits", [1, 8])
 def test_decode_attention_matches_softmax_over_the_pages(
-    hq: int, hk: int, d: int, page: int, splits: int
+    hq: int, hk: int, d: int, page: int, dot: bool, splits: int
 ) -> None:
     from engine.kernels.decode import Config, Workspace, decode_attention
 
@@ -188,7 +191,7 @@ def test_decode_attention_matches_softmax_over_the_pages(
     kv_len = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     for _ in range(2):  # a second launch finds the tickets reset
         out = decode_attention(
-            q, k, v, kv_len, indptr, indices, page, d**-0.5, Config(splits, 16), ws
+            q, k, v, kv_len, indptr, indices, page, d**-0.5, Config(splits, 16, dot=dot), ws
         )
     assert not ws.ticket.any()
     for i, n in enumerate(lens):
@@ -208,6 +211,36 @@ def test_decode_splits_fill_the_device_and_stop_once_the_batch_does() -> None:
     assert config_for(16, 8, 2, 128, sms=132).splits == 4
     assert config_for(64, 8, 2, 128, sms=132).splits == 1  # 512 programs fill 132 SMs
     assert config_for(1, 8, 2, 128, sms=132).block_n * 2 * 128 <= 8192
+
+
+def test_decode_graphs_use_the_tuned_table_and_flashinfer_where_untuned(
+    tmp_path, monkeypatch
+) -> None:
+    import json
+
+    from engine.kernels import decode as D
+
+    monkeypatch.setattr(D, "_table", {})
+    monkeypatch.setattr(D, "_loaded", set())
+    tuned = tmp_path / "decode_tuned.json"
+    cfg = {"splits": 4, "block_n": 64, "num_warps": 4, "num_stages": 3, "dot": True}
+    rows = [
+        {"group": 2, "head_dim": 128, "rows": 16, "config": cfg},
+        {"group": 2, "head_dim": 128, "rows": 64, "config": None},
+    ]
+    tuned.write_text(json.dumps({"Some GPU": rows}))
+    monkeypatch.setattr(D, "TUNED", tuned)
+    shape = (8, 2, 128, 132)  # KV heads, group, head dim, SMs
+    # untuned: the kernel at batch 1 only
+    assert D.choose(1, *shape, "Another GPU") == D.config_for(1, *shape)
+    assert D.choose(2, *shape, "Another GPU") is None
+    assert D.choose(12, *shape, "Some GPU") == D.Config(**cfg)  # 12 rows: the 16-row class
+    assert D.choose(40, *shape, "Some GPU") is None  # timed: FlashInfer won
+    D.set_choice(2, 128, 1, D.Config(32, 16))
+    assert D.table_rows("Some GPU")["Some GPU"][0] == {
+        "group": 2, "head_dim": 128, "rows": 1,
+        "config": {"splits": 32, "block_n": 16, "num_warps": 4, "num_stages": 2, "dot": False},
+    }  # fmt: skip
 
 
 def _hf_norm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -386,14 +386,19 @@ def test_cuda_graph_matches_eager(make_llm: Callable[..., Any], wide_qwen3: Path
 def test_graph_decode_kernel_matches_flashinfer_decode(
     make_llm: Callable[..., Any], wide_qwen3: Path
 ) -> None:
-    """The decode graphs' one-launch split-KV attention (engine/kernels/decode.py) against
-    FlashInfer's decode wrapper in the same graphs: keys split 32 ways at one row, a few ways
-    at 12, not at all at 40 rows."""
+    """The decode graphs' one-launch split-KV attention (engine/kernels/decode.py, in the
+    configurations the device's table or the default gives) against FlashInfer's decode
+    wrapper in the same graphs, at 1, 12 and 40 rows (graphs of 1, 16 and 48)."""
     from engine.attention.flashinfer_backend import FlashInferAttention
     from engine.sampling import SamplingParams
 
-    ours = make_llm(wide_qwen3, max_running_req=48)
-    assert all(m.decode is not None for m in ours.runner.graphs.metas.values())
+    FlashInferAttention.graph_decode_kernel = True  # in every graph, whatever the table says
+    try:
+        ours = make_llm(wide_qwen3, max_running_req=48)
+    finally:
+        FlashInferAttention.graph_decode_kernel = None
+    metas = ours.runner.graphs.metas
+    assert all(m.decode is not None for m in metas.values())
     FlashInferAttention.graph_decode_kernel = False
     try:
         theirs = make_llm(wide_qwen3, max_running_req=48)
@@ -401,6 +406,7 @@ def test_graph_decode_kernel_matches_flashinfer_decode(
         FlashInferAttention.graph_decode_kernel = None
     assert all(m.decode is None for m in theirs.runner.graphs.metas.values())
     params = SamplingParams(max_tokens=12, ignore_eos=True)
+    print({g: m.decode.config for g, m in metas.items() if g in (1, 16, 48)})
     for n in (1, 12, 40):
         prompts = random_prompts(n, 10, 900, seed=20 + n)
         a, b = trace_run(theirs, prompts, params), trace_run(ours, prompts, params)

@@ -22,7 +22,7 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.attention.pages import PageIndex, page_index
 from engine.kvcache.pool import KVPool
 from engine.kvcache.table import PageTable
-from engine.models.kernels import decode_attention_kernel
+from engine.models.kernels import decode_attention_kernel, device_name
 
 # Split-KV partial results live here; 256 MB covers a 256-request decode with long contexts.
 WORKSPACE_BYTES = 256 << 20
@@ -59,8 +59,9 @@ class FlashInferAttention(AttentionBackend):
     # (Qwen3-0.6B shape, 2 query heads per KV head): CUDA cores 2.57 ms a step at batch 64
     # against 2.71 with tensor cores, the same at batch 1 (the GPU check times both).
     decode_tensor_cores: bool | None = None
-    # Decode graphs through engine/kernels/decode.py where the head shape allows (None), or
-    # always through FlashInfer (False).
+    # Decode graphs through engine/kernels/decode.py where the head shape allows it and the
+    # device's tuned table (or, untuned, the batch size) says it is faster (None); in every
+    # graph the head shape allows (True); never (False).
     graph_decode_kernel: bool | None = None
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -130,8 +131,9 @@ class FlashInferAttention(AttentionBackend):
         """A decode wrapper for a graph of `batch_size` rows whose index arrays live in fixed
         buffers; `max_pages` bounds the pages of one batch. Every graph shares the indices
         buffer, since one graph runs at a time."""
-        if self._decode_kernel is not None:
-            return self._graph_decode(batch_size, out_loc, max_pages)
+        cfg = self._graph_decode_config(batch_size)
+        if cfg is not None:
+            return self._graph_decode(batch_size, out_loc, max_pages, cfg)
         if self._graph_indices is None or self._graph_indices.numel() < max_pages:
             self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -149,12 +151,25 @@ class FlashInferAttention(AttentionBackend):
         )
         return FlashInferMeta(wrapper, out_loc)
 
-    def _graph_decode(self, g: int, out_loc: torch.Tensor, max_pages: int) -> FlashInferMeta:
+    def _graph_decode_config(self, g: int) -> Any:
+        """engine.kernels.decode's configuration for a graph of g rows, or None (FlashInfer)."""
+        mod = self._decode_kernel
+        if mod is None:
+            return None
+        group = self.num_heads // self.num_kv_heads
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        shape = (g, self.num_kv_heads, group, self.head_dim, sms)
+        cfg = mod.choose(*shape, device_name(self.device))
+        if cfg is None and self.graph_decode_kernel:
+            cfg = mod.config_for(*shape)
+        return cfg
+
+    def _graph_decode(
+        self, g: int, out_loc: torch.Tensor, max_pages: int, cfg: Any
+    ) -> FlashInferMeta:
         mod = self._decode_kernel
         assert mod is not None
         group = self.num_heads // self.num_kv_heads
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        cfg = mod.config_for(g, self.num_kv_heads, group, self.head_dim, sms)
         ws = mod.Workspace.for_batch(
             g, self.num_kv_heads, group, self.head_dim, cfg.splits, self.device
         )

@@ -14,14 +14,19 @@ graph's grid), with slices that are empty for short contexts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
+
 MAX_GROUP = 4  # query heads per KV head; beyond, FlashInfer's tensor-core decode is the choice
 MAX_TILE = 8192  # elements of one [group, keys, head dim] product held in registers
+TUNED = Path(__file__).with_name("decode_tuned.json")
 
 
 @triton.jit
@@ -49,26 +54,35 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # lengths and pages came from the host before the step: read them before the wait
     n = tl.load(kv_len + b)
     pages = page_indices + tl.load(page_indptr + b)
     span = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N  # whole key blocks per split
     lo = split * span
     hi = tl.minimum(lo + span, n)
+    kpos = lo + tl.arange(0, BLOCK_N)
+    page = tl.load(pages + kpos // PAGE, mask=kpos < hi, other=0)
 
-    g = tl.arange(0, BLOCK_G)
+    g = tl.arange(0, BLOCK_G)  # with DOT, padded to the 16 rows of a tensor-core tile
     g_ok = g < GROUP
     head = kvh * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    if PDL:  # q, and this step's K and V, come from the kernel before
+        tl.extra.cuda.gdc_wait()
     q = tl.load(
         Q + b * stride_qb + head[:, None] * stride_qh + d[None, :],
         mask=g_ok[:, None] & d_ok[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
 
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)  # noqa: E741
@@ -76,19 +90,28 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
-        page = tl.load(pages + kpos // PAGE, mask=k_ok, other=0)
         slot = page.to(tl.int64) * PAGE + kpos % PAGE
+        nxt = kpos + BLOCK_N  # the next block's pages, read ahead of its keys
+        page = tl.load(pages + nxt // PAGE, mask=nxt < hi, other=0)
         off = slot[:, None] * stride_kt + kvh * stride_kh + d[None, :]
         kv_ok = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + off, mask=kv_ok, other=0.0).to(tl.float32)
-        v = tl.load(V + off, mask=kv_ok, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale
+        k = tl.load(K + off, mask=kv_ok, other=0.0)
+        v = tl.load(V + off, mask=kv_ok, other=0.0)
+        if DOT:  # bf16 products, float32 sums, as FlashInfer's kernels
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+        else:  # CUDA cores, all in float32
+            qf, kf = q.to(tl.float32), k.to(tl.float32)
+            s = tl.sum(qf[:, None, :] * kf[None, :, :], axis=2) * sm_scale
         s = tl.where(k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: a block has a key below `hi`
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
         m = m_new
 
     out_ptr = Out + b * stride_ob + head[:, None] * stride_oh + d[None, :]
@@ -129,48 +152,112 @@ class Config:
     block_n: int = 32  # keys per block
     num_warps: int = 4
     num_stages: int = 2
+    dot: bool = False  # tensor cores for q.k and p.v, the query heads padded to 16 rows
 
 
 def supports(group: int, head_dim: int) -> bool:
     return group <= MAX_GROUP and head_dim in (64, 128, 256)
 
 
+def block_g(group: int, dot: bool) -> int:
+    return max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
+
+
 def block_n_limit(group: int, head_dim: int) -> int:
-    """The largest key block whose [group, keys, head dim] product fits the register budget."""
+    """The largest key block whose [group, keys, head dim] product fits the register budget
+    of the CUDA-core path."""
     return MAX_TILE // (triton.next_power_of_2(group) * triton.next_power_of_2(head_dim))
 
 
-def config_for(batch: int, kv_heads: int, group: int, head_dim: int, sms: int) -> Config:
+def default_splits(batch: int, kv_heads: int, sms: int) -> int:
     """Enough programs to fill the device about twice at this batch size; one split (no
     partials) once the batch alone does."""
     programs = batch * kv_heads
     splits = 1
     while splits < 32 and programs * splits < 2 * sms:
         splits *= 2
-    return Config(splits, min(32, block_n_limit(group, head_dim)))
+    return splits
+
+
+def config_for(batch: int, kv_heads: int, group: int, head_dim: int, sms: int) -> Config:
+    """The configuration of an untuned device: CUDA cores, as measured best at batch 1 on the
+    H200 (call Q, docs/benchmarks.md)."""
+    return Config(default_splits(batch, kv_heads, sms), min(32, block_n_limit(group, head_dim)))
+
+
+def row_class(batch: int) -> int:
+    """The batch size a graph's configuration is tuned at: the power of two at or above it."""
+    return triton.next_power_of_2(max(batch, 1))
+
+
+# (query heads per KV head, head dim, row class) -> the config, or None for FlashInfer's decode
+_table: dict[tuple[int, int, int], Config | None] = {}
+_loaded: set[str] = set()
+
+
+def _load_tuned(device: str) -> None:
+    if device in _loaded:
+        return
+    _loaded.add(device)
+    if not TUNED.is_file():
+        return
+    for row in json.loads(TUNED.read_text()).get(device, []):
+        cfg = Config(**row["config"]) if row.get("config") else None
+        _table.setdefault((row["group"], row["head_dim"], row["rows"]), cfg)
+
+
+def choose(
+    batch: int, kv_heads: int, group: int, head_dim: int, sms: int, device: str | None = None
+) -> Config | None:
+    """The configuration for a decode graph of `batch` rows, or None where FlashInfer's decode
+    is faster: the device's tuned table (decode_tuned.json) first; without one, this kernel
+    at batch 1 only, where it matched FlashInfer on the H200 before tuning and saved the host
+    its plan."""
+    if device is not None:
+        _load_tuned(device)
+    key = (group, head_dim, row_class(batch))
+    if key in _table:
+        return _table[key]
+    return config_for(batch, kv_heads, group, head_dim, sms) if batch == 1 else None
+
+
+def set_choice(group: int, head_dim: int, batch: int, cfg: Config | None) -> None:
+    """Pin the configuration of a batch size's row class (the GPU check's tuning)."""
+    _table[(group, head_dim, row_class(batch))] = cfg
+
+
+def table_rows(device: str) -> dict[str, list[dict]]:
+    """The pinned choices, in decode_tuned.json's layout."""
+    rows = [
+        {"group": g, "head_dim": d, "rows": r, "config": asdict(c) if c else None}
+        for (g, d, r), c in sorted(_table.items())
+    ]
+    return {device: rows}
 
 
 @dataclass
 class Workspace:
-    """The partials and tickets of a decode launch: sized for the largest batch it serves, and
-    shared by every layer and graph (one runs at a time; a launch leaves its tickets at 0)."""
+    """The partials and tickets of a decode launch, sized for one graph's batch and split;
+    shared by its layers (one runs at a time; a launch leaves its tickets at 0)."""
 
     part: torch.Tensor
     ticket: torch.Tensor
+
+    @staticmethod
+    def _per(group: int, head_dim: int) -> int:
+        return block_g(group, True) * (triton.next_power_of_2(head_dim) + 2)
 
     @classmethod
     def for_batch(
         cls, batch: int, kv_heads: int, group: int, head_dim: int, splits: int, device: torch.device
     ) -> Workspace:
-        per = triton.next_power_of_2(group) * (triton.next_power_of_2(head_dim) + 2)
-        part = torch.empty(max(batch * kv_heads * splits * per, 1), dtype=torch.float32,
-                           device=device)  # fmt: skip
+        size = max(batch * kv_heads * splits * cls._per(group, head_dim), 1)
+        part = torch.empty(size, dtype=torch.float32, device=device)
         return cls(part, torch.zeros(batch * kv_heads, dtype=torch.int32, device=device))
 
     def fits(self, batch: int, kv_heads: int, group: int, head_dim: int, splits: int) -> bool:
-        per = triton.next_power_of_2(group) * (triton.next_power_of_2(head_dim) + 2)
         return (
-            self.part.numel() >= batch * kv_heads * splits * per
+            self.part.numel() >= batch * kv_heads * splits * self._per(group, head_dim)
             and self.ticket.numel() >= batch * kv_heads
         )
 
@@ -197,6 +284,7 @@ def decode_attention(
     assert workspace.fits(b, hk, group, dim, config.splits)
     out = torch.empty((b, hq, dim), dtype=q.dtype, device=q.device)
     if b:
+        on = pdl.enabled(q)
         _decode_kernel[(b, hk, config.splits)](
             q,
             k_cache,
@@ -215,13 +303,16 @@ def decode_attention(
             out.stride(0),
             out.stride(1),
             GROUP=group,
-            BLOCK_G=triton.next_power_of_2(group),
+            BLOCK_G=block_g(group, config.dot),
             PAGE=page_size,
             HEAD_DIM=dim,
             BLOCK_D=triton.next_power_of_2(dim),
             BLOCK_N=config.block_n,
             SPLITS=config.splits,
+            DOT=config.dot,
+            PDL=on,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            launch_pdl=on,
         )
     return out

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
+
 MAX_ROWS = 64  # rows beyond this go to cuBLAS
 GEMV_ROWS = 8  # up to this many rows, the CUDA-core loop; beyond, tensor cores
 TUNED = Path(__file__).with_name("gemv_tuned.json")
@@ -50,7 +52,10 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,17 +65,26 @@ def _gemv_kernel(
     n_ok = rn < N
     m_ok = rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the first weight block before the wait: no kernel of this step writes weights
+    rk = k_lo + tl.arange(0, BLOCK_K)
+    w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :],
+                other=0.0)  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for k0 in range(0, k_span, BLOCK_K):
         rk = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
         x_ok = m_ok[:, None] & k_ok[None, :]
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=x_ok, other=0.0)
+        nk = rk + BLOCK_K  # the next block's weights, loaded while this one is reduced
+        nk_ok = nk < tl.minimum(K, k_lo + k_span)  # within this split's span
+        w_next = tl.load(W + rn[:, None] * stride_wn + nk[None, :],
+                         mask=n_ok[:, None] & nk_ok[None, :], other=0.0)  # fmt: skip
         if DOT:  # tensor cores, over one tile of all the rows
             acc = tl.dot(x, tl.trans(w), acc)
         else:  # CUDA cores: a few rows, reduced in float32 registers
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = w_next
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -106,16 +120,28 @@ def _norm_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y = norm(x + r) @ W.T (+ b), and r_out = x + r; with ACT, W is [gate; up] (2N rows)
     and y = silu(gate) * up. Rounded where Hugging Face's modules round: the residual sum, the
     normalized row, its product with the norm weight, the projection, the activation."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     dtype = W.dtype.element_ty
+    # the first weight block before the wait: no kernel of this step writes weights
+    rk = tl.arange(0, BLOCK_K)
+    w_ok = n_ok[:, None] & (rk < K)[None, :]
+    w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
+    wu = w
+    if ACT:
+        wu = tl.load(W + (rn + N)[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     # the row's mean square: every program reads the few rows whole (from L2 after the first)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -143,12 +169,16 @@ def _norm_gemv_kernel(
         nw = tl.load(NW + rk, mask=k_ok, other=0.0).to(tl.float32)
         xn = (h.to(tl.float32) * inv[:, None]).to(dtype).to(tl.float32)
         xn = (xn * nw[None, :]).to(dtype).to(tl.float32)
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
+        nk = rk + BLOCK_K  # the next block's weights, loaded while this one is reduced
+        nw_ok = n_ok[:, None] & (nk < K)[None, :]
+        w_next = tl.load(W + rn[:, None] * stride_wn + nk[None, :], mask=nw_ok, other=0.0)
         acc += tl.sum(xn[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = w_next
         if ACT:
-            wu = tl.load(W + (rn + N)[:, None] * stride_wn + rk[None, :], mask=w_ok, other=0.0)
+            wu_next = tl.load(W + (rn + N)[:, None] * stride_wn + nk[None, :], mask=nw_ok,
+                              other=0.0)  # fmt: skip
             acc_up += tl.sum(xn[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
+            wu = wu_next
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ACT:
@@ -204,7 +234,9 @@ def gemv(
             BLOCK_K=config.block_k,
             SPLIT_K=split,
             DOT=config.dot,
+            PDL=(on := pdl.enabled(x2)),
             num_warps=config.num_warps,
+            launch_pdl=on,
         )
     if split > 1:
         out = out.to(x.dtype)
@@ -261,7 +293,9 @@ def norm_gemv(
             BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=block_n,
             BLOCK_K=config.block_k,
+            PDL=(on := pdl.enabled(r2)),
             num_warps=config.num_warps,
+            launch_pdl=on,
         )
     return y.view(*residual.shape[:-1], n), r_out.view(residual.shape)
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
+
 
 @triton.jit
 def _qkv_epilogue_kernel(
@@ -33,12 +35,18 @@ def _qkv_epilogue_kernel(
     HK: tl.constexpr,
     D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the slots and positions came from the host before the step: read them first
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half = tl.arange(0, D // 2)
     row = QKV + t * stride_qkv + h * D
     slot = tl.load(LOC + t).to(tl.int64)
+    pos = tl.load(POS + t).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if h >= HQ + HK:  # a V head: copied as it is
         dst = V_CACHE + slot * (HK * D) + (h - HQ - HK) * D
         tl.store(dst + half, tl.load(row + half))
@@ -56,7 +64,6 @@ def _qkv_epilogue_kernel(
                 w2 = tl.load(KW + D // 2 + half).to(tl.float32)
             x1 = x1 * inv * w1
             x2 = x2 * inv * w2
-        pos = tl.load(POS + t).to(tl.int64)
         cos = tl.load(COS_SIN + pos * stride_cs + half)
         sin = tl.load(COS_SIN + pos * stride_cs + D // 2 + half)
         o1 = x1 * cos - x2 * sin  # neox layout: the halves rotate against each other
@@ -115,5 +122,7 @@ def qkv_epilogue(
             HK=num_kv_heads,
             D=head_dim,
             HAS_NORM=has_norm,
+            PDL=(on := pdl.enabled(qkv)),
+            launch_pdl=on,
         )
     return q

@@ -21,9 +21,10 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's norm/RoPE/activat
 # (scripts/gpu_check.py builds engines both ways in one run): "qkv" (the fused norm + RoPE +
 # KV-store epilogue), "gemv" (skinny matmuls for a few rows), "fold" (the residual add, RMSNorm
 # and, before the MLP, its activation folded into those GEMVs) and "decode" (the one-launch
-# split-KV decode attention in the CUDA graphs). STEPSCOPE_UNFUSED=qkv,gemv,fold,decode turns
-# them off from the start; `set_unfused` in-process.
-DECODE_KERNELS = ("qkv", "gemv", "fold", "decode")
+# split-KV decode attention in the CUDA graphs), and "pdl" (their programmatic dependent
+# launch, engine/kernels/pdl.py). STEPSCOPE_UNFUSED=qkv,gemv,fold,decode,pdl turns them off from
+# the start; `set_unfused` in-process.
+DECODE_KERNELS = ("qkv", "gemv", "fold", "decode", "pdl")
 _unfused: frozenset[str] = frozenset()
 
 
@@ -33,6 +34,9 @@ def set_unfused(names: tuple[str, ...] | list[str]) -> None:
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; expected some of {DECODE_KERNELS}")
     _unfused = frozenset(names)
+    from engine.kernels import pdl  # torch only: Triton loads when a kernel first launches
+
+    pdl.set_off("pdl" in _unfused)
 
 
 def _from_environment() -> None:
