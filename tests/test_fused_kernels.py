@@ -278,6 +278,7 @@ def test_norm_gemv_folds_the_residual_add_norm_and_activation(
     assert y.shape == (rows, n) and rel_err(y, proj) < (1e-2 if CUDA else 1e-5)
 
 
+@pytest.mark.skipif(CUDA, reason="the wiring in float32; on CUDA the GPU tests hold it to HF")
 def test_the_model_gives_the_same_tokens_with_the_norms_folded(tiny_qwen3_dir, monkeypatch) -> None:
     """The decoder layer's folded path (residual add and norm inside the qkv and gate-up GEMVs,
     the activation inside gate-up, the first layer's norm alone) against its unfolded one. On
