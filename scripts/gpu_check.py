@@ -447,6 +447,8 @@ def sec_pytest(r: Report) -> None:
         text=True,
         timeout=max(60.0, min(400.0, r.left())),
     )
+    # the whole output beside the report: a failure's traceback is above the summary
+    (r.out / "pytest.txt").write_text(proc.stdout + "\n" + proc.stderr[-20000:])
     tail = proc.stdout.strip().splitlines()[-25:]
     r.data["pytest"] = {"rc": proc.returncode, "tail": tail, "s": time.perf_counter() - t}
     r.say(f"\n### pytest {' '.join(r.pytest_files)}\n\n```\n" + "\n".join(tail) + "\n```\n")

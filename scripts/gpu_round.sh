@@ -4,6 +4,7 @@
 #   bash scripts/gpu_round.sh OUT kernels    # call 1: GPU tests, GEMV tuning, kernel tables
 #                                            #   before/after, bench, Hugging Face static cache
 #   bash scripts/gpu_round.sh OUT smollm2    # call 2, right after: the real SmolLM2 weights
+#                                            #   (since 2026-12-02 without the gap section)
 #   bash scripts/gpu_round.sh OUT tune       # call 3: tune the skinny matmuls (gemv_tuned.json),
 #                                            #   then the GPU tests with that table in place
 #   bash scripts/gpu_round.sh OUT final      # call 4, with that table committed: kernel tables
@@ -17,7 +18,11 @@
 #                                            #   before/after, bench, Hugging Face static cache
 #   bash scripts/gpu_round.sh OUT verify     # call S, right after (the second half): the GPU
 #                                            #   tests with that table, the real SmolLM2's greedy
-#                                            #   tokens and logits against Hugging Face
+#                                            #   tokens and logits against Hugging Face (ran past
+#                                            #   600 s: the next round splits it in two)
+#   bash scripts/gpu_round.sh OUT tests      # the GPU tests alone (carry the GGUF's first half)
+#   bash scripts/gpu_round.sh OUT smollm2    # right after (the second half): SmolLM2's logits
+#                                            #   and greedy tokens against Hugging Face
 #
 # Carried (the machine has no internet): .whl (FlashInfer 0.5.3, apache-tvm-ffi, gguf),
 # .dev/ss.tgz (a tokenizer-only copy of the converted SmolLM2, which the dummy-weight configs
@@ -50,8 +55,13 @@ case $CALL in
     else
       echo "the first half of the GGUF is not here (a fresh machine): random weights only"
     fi
-    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 \
-      --sections warmup,gap,smollm2 2>&1 | tee "$OUT/log.txt"
+    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 --bench-quick \
+      --sections warmup,smollm2 2>&1 | tee "$OUT/log.txt"
+    ;;
+  tests)
+    PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 \
+      --sections warmup,pytest --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py \
+      2>&1 | tee "$OUT/log.txt"
     ;;
   tune)
     python3 scripts/gpu_check.py --out "$OUT" --deadline-s 300 \
