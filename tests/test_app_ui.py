@@ -59,7 +59,13 @@ def _app(monkeypatch: pytest.MonkeyPatch, url: str, autostart: bool = False) -> 
 @pytest.fixture
 def app(peer: AppPeer, monkeypatch: pytest.MonkeyPatch) -> Iterator[AppTest]:
     at = _app(monkeypatch, peer.url)
-    assert settle(at, lambda: connected(at)), texts(at.sidebar.markdown)
+
+    def ready() -> bool:
+        # connected, and the engine's config arrived: the scheduling controls appear only then
+        # (a loaded machine can draw the page between the two)
+        return connected(at) and any(w.key == "budget_exact" for w in at.number_input)
+
+    assert settle(at, ready), texts(at.sidebar.markdown)
     yield at
     st.cache_resource.clear()  # closes the engine link (and stops any launched engine)
 
