@@ -315,3 +315,15 @@ def test_the_model_gives_the_same_tokens_with_the_norms_folded(tiny_qwen3_dir, m
     # decode steps of one and two rows folded both norms of both layers; prefill did not
     assert {(1, False), (1, True), (2, False), (2, True)} <= set(folds)
     assert all(rows <= 2 for rows, _ in folds)
+
+
+def test_norm_gemv_refuses_a_residual_wider_than_the_weights() -> None:
+    """It rounds the new residual stream to the weights' dtype, so a float32 stream (the
+    `residual_dtype="float32"` option) must take the unfolded path instead."""
+    from engine.kernels.gemv import Config, norm_gemv
+
+    w = torch.zeros(8, 16, dtype=torch.bfloat16, device=DEVICE)
+    res = torch.zeros(1, 16, dtype=torch.float32, device=DEVICE)
+    nw = torch.ones(16, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(AssertionError):
+        norm_gemv(res.to(torch.bfloat16), res, nw, 1e-6, w, None, Config(8, 16))

@@ -280,6 +280,7 @@ def decode_attention(
     hk = k_cache.shape[1]
     group = hq // hk
     assert hq % hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert v_cache.stride() == k_cache.stride()  # V is addressed with K's strides
     assert config.splits & (config.splits - 1) == 0, "splits must be a power of two"
     assert workspace.fits(b, hk, group, dim, config.splits)
     out = torch.empty((b, hq, dim), dtype=q.dtype, device=q.device)

@@ -263,6 +263,8 @@ def norm_gemv(
     n = weight.shape[0] // 2 if act else weight.shape[0]
     assert m <= GEMV_ROWS and weight.shape[1] == h and weight.stride(1) == 1 and r2.stride(1) == 1
     assert not config.dot and config.split_k == 1 and not (act and bias is not None)
+    # the new residual is rounded to the weights' dtype: a float32 stream must not come here
+    assert residual.dtype == weight.dtype and (x is None or x.dtype == weight.dtype)
     x2 = None if x is None else x.reshape(-1, h)
     assert x2 is None or x2.stride(1) == 1
     # not in place: every program reads the residual that one of them rewrites

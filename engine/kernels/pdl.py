@@ -84,7 +84,8 @@ def _probe(index: int) -> bool:
     chain()
     torch.cuda.synchronize(dev)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread-local: under tensor parallelism NCCL's watchdog thread queries events meanwhile
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         chain()
     x.fill_(5)
     graph.replay()
