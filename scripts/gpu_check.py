@@ -501,9 +501,12 @@ def decode_neighbours(cfg: Any, group: int, head_dim: int) -> list[Any]:
     return out
 
 
-def decode_step_us(case: tuple[Any, ...], use_kernel: bool, cfg: Any = None) -> float:
-    """µs of one decode step's attention, all layers, replayed from a CUDA graph: FlashInfer's
-    decode wrapper, or engine/kernels/decode.py in `cfg` (None: the engine's choice)."""
+def decode_step_us(
+    case: tuple[Any, ...], use_kernel: bool, cfg: Any = None
+) -> tuple[float, torch.Tensor]:
+    """(µs of one decode step's attention, all layers, replayed from a CUDA graph; the last
+    layer's output after the replays): FlashInfer's decode wrapper, or engine/kernels/decode.py
+    in `cfg` (None: the engine's choice)."""
     from engine.attention import flashinfer_backend as FB
     from engine.kernels import decode as D
 
@@ -528,7 +531,7 @@ def decode_step_us(case: tuple[Any, ...], use_kernel: bool, cfg: Any = None) -> 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for layer in range(DECODE_LAYERS):
-            be.forward(q, None, None, layer, meta)
+            out = be.forward(q, None, None, layer, meta)
     be.plan_graph(meta, table, list(range(bs)), [ctx] * bs, 0)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -537,7 +540,7 @@ def decode_step_us(case: tuple[Any, ...], use_kernel: bool, cfg: Any = None) -> 
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / 10
+    return start.elapsed_time(end) * 1e3 / 10, out.clone()
 
 
 def sec_decode(r: Report) -> None:
@@ -574,14 +577,25 @@ def sec_decode(r: Report) -> None:
         case = (pool, SimpleNamespace(slots=slots), torch.randn(bs, hq, hd, dtype=torch.bfloat16,
                 device=DEV), ctx, pages_per)  # fmt: skip
         kv_bytes = DECODE_LAYERS * bs * ctx * hk * hd * 2 * 2
-        fi_us = decode_step_us(case, False)
+        fi_us, fi_out = decode_step_us(case, False)
         tried: dict[Any, float] = {}
 
-        def run(cfg: Any, case: Any = case, tried: dict[Any, float] = tried, bs: int = bs) -> float:
+        def run(
+            cfg: Any,
+            case: Any = case,
+            tried: dict[Any, float] = tried,
+            bs: int = bs,
+            fi_out: torch.Tensor = fi_out,
+        ) -> float:
             if cfg not in tried:
                 try:
-                    tried[cfg] = decode_step_us(case, True, cfg)
-                except Exception as e:  # a config that does not compile: say so, go on
+                    us, out = decode_step_us(case, True, cfg)
+                    # like gemv.tune: a configuration is timed only once its output is right
+                    err = rel_err(out.float(), fi_out.float())
+                    if err > 2e-2:
+                        raise AssertionError(f"off FlashInfer's output by {err:.3g}")
+                    tried[cfg] = us
+                except Exception as e:  # does not compile, or is wrong: say so, go on
                     r.say(f"decode batch {bs} {cfg}: {type(e).__name__}: {str(e)[:160]}")
                     tried[cfg] = float("inf")
             return tried[cfg]
