@@ -124,14 +124,12 @@ def test_shapes_use_cublas_unless_timing_chose_a_kernel(tmp_path, monkeypatch) -
 
     from engine.kernels import gemv as G
 
-    monkeypatch.setattr(G, "_table", {})
-    monkeypatch.setattr(G, "_loaded", set())
     tuned = tmp_path / "gemv_tuned.json"
+    monkeypatch.setattr(G, "TABLE", G.TunedTable(tuned, ("n", "k"), G.Config))
     row = {"n": 1024, "k": 2048, "rows": 4, "config": {"block_n": 4, "block_k": 512}}
     tuned.write_text(
         json.dumps({"Some GPU": [row, {"n": 1024, "k": 2048, "rows": 8, "config": None}]})
     )
-    monkeypatch.setattr(G, "TUNED", tuned)
     assert G.choose(1024, 2048, 3, "Another GPU") is None  # no table for that device
     assert G.choose(1024, 2048, 3, "Some GPU") == G.Config(4, 512)  # 3 rows: the 4-row class
     assert G.choose(1024, 2048, 7, "Some GPU") is None  # timed: cuBLAS won
@@ -220,16 +218,14 @@ def test_decode_graphs_use_the_tuned_table_and_flashinfer_where_untuned(
 
     from engine.kernels import decode as D
 
-    monkeypatch.setattr(D, "_table", {})
-    monkeypatch.setattr(D, "_loaded", set())
     tuned = tmp_path / "decode_tuned.json"
+    monkeypatch.setattr(D, "TABLE", D.TunedTable(tuned, ("group", "head_dim"), D.Config))
     cfg = {"splits": 4, "block_n": 64, "num_warps": 4, "num_stages": 3, "dot": True}
     rows = [
         {"group": 2, "head_dim": 128, "rows": 16, "config": cfg},
         {"group": 2, "head_dim": 128, "rows": 64, "config": None},
     ]
     tuned.write_text(json.dumps({"Some GPU": rows}))
-    monkeypatch.setattr(D, "TUNED", tuned)
     shape = (8, 2, 128, 132)  # KV heads, group, head dim, SMs
     # untuned: the kernel at batch 1 only
     assert D.choose(1, *shape, "Another GPU") == D.config_for(1, *shape)
@@ -304,7 +300,7 @@ def test_the_model_gives_the_same_tokens_with_the_norms_folded(tiny_qwen3_dir, m
         return real(x, residual, *args, **kw)
 
     monkeypatch.setattr(G, "norm_gemv", counted)
-    monkeypatch.setattr(G, "_table", {})
+    monkeypatch.setattr(G, "TABLE", G.TunedTable(G.TUNED, ("n", "k"), G.Config))
     monkeypatch.setattr(parallel, "folded_gemv", lambda x: G)
     monkeypatch.setattr(parallel, "device_name", lambda device: "interpreter")
     for n in (256,):  # qkv (4 x 32 + 2 x 2 x 32) and gate-up (2 x 128) of the tiny Qwen3

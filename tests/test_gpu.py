@@ -321,7 +321,7 @@ def skinny_everywhere(
     configurations, whatever a tuned table would choose; yields the batch sizes it serves."""
     from engine.kernels import gemv as G
 
-    saved = dict(G._table)
+    saved = dict(G.TABLE.choices)
     cfg = json.loads((wide_qwen3 / "config.json").read_text())
     h, heads, kv, d = (cfg[k] for k in ("hidden_size", "num_attention_heads",
                                         "num_key_value_heads", "head_dim"))  # fmt: skip
@@ -332,8 +332,8 @@ def skinny_everywhere(
         for r in rows:
             G.set_choice(n, k, r, G.Config(**kw))
     yield (1, 5) if rows[0] == 1 else (12, 40)  # graphs of 1 and 8 rows, or of 16 and 40
-    G._table.clear()
-    G._table.update(saved)
+    G.TABLE.choices.clear()
+    G.TABLE.choices.update(saved)
 
 
 def test_engine_with_the_skinny_matmuls_matches_hf_and_cublas(

@@ -14,8 +14,7 @@ graph's grid), with slices that are empty for short contexts.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl
+from engine.kernels.tuned import TunedTable
 
 MAX_GROUP = 4  # query heads per KV head; beyond, FlashInfer's tensor-core decode is the choice
 MAX_TILE = 8192  # elements of one [group, keys, head dim] product held in registers
@@ -185,25 +185,8 @@ def config_for(batch: int, kv_heads: int, group: int, head_dim: int, sms: int) -
     return Config(default_splits(batch, kv_heads, sms), min(32, block_n_limit(group, head_dim)))
 
 
-def row_class(batch: int) -> int:
-    """The batch size a graph's configuration is tuned at: the power of two at or above it."""
-    return triton.next_power_of_2(max(batch, 1))
-
-
-# (query heads per KV head, head dim, row class) -> the config, or None for FlashInfer's decode
-_table: dict[tuple[int, int, int], Config | None] = {}
-_loaded: set[str] = set()
-
-
-def _load_tuned(device: str) -> None:
-    if device in _loaded:
-        return
-    _loaded.add(device)
-    if not TUNED.is_file():
-        return
-    for row in json.loads(TUNED.read_text()).get(device, []):
-        cfg = Config(**row["config"]) if row.get("config") else None
-        _table.setdefault((row["group"], row["head_dim"], row["rows"]), cfg)
+# (query heads per KV head, head dim) and row class -> the config, or None for FlashInfer's decode
+TABLE: TunedTable[Config] = TunedTable(TUNED, ("group", "head_dim"), Config)
 
 
 def choose(
@@ -213,26 +196,20 @@ def choose(
     is faster: the device's tuned table (decode_tuned.json) first; without one, this kernel
     at batch 1 only, where it matched FlashInfer on the H200 before tuning and saved the host
     its plan."""
-    if device is not None:
-        _load_tuned(device)
-    key = (group, head_dim, row_class(batch))
-    if key in _table:
-        return _table[key]
+    found, cfg = TABLE.lookup((group, head_dim), batch, device)
+    if found:
+        return cfg
     return config_for(batch, kv_heads, group, head_dim, sms) if batch == 1 else None
 
 
 def set_choice(group: int, head_dim: int, batch: int, cfg: Config | None) -> None:
     """Pin the configuration of a batch size's row class (the GPU check's tuning)."""
-    _table[(group, head_dim, row_class(batch))] = cfg
+    TABLE.pin((group, head_dim), batch, cfg)
 
 
 def table_rows(device: str) -> dict[str, list[dict]]:
     """The pinned choices, in decode_tuned.json's layout."""
-    rows = [
-        {"group": g, "head_dim": d, "rows": r, "config": asdict(c) if c else None}
-        for (g, d, r), c in sorted(_table.items())
-    ]
-    return {device: rows}
+    return TABLE.rows(device)
 
 
 @dataclass

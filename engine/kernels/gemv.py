@@ -19,8 +19,7 @@ takes a heuristic configuration and more rows go to cuBLAS.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl
+from engine.kernels.tuned import TunedTable
 
 MAX_ROWS = 64  # rows beyond this go to cuBLAS
 GEMV_ROWS = 8  # up to this many rows, the CUDA-core loop; beyond, tensor cores
@@ -325,27 +325,8 @@ def fits(cfg: Config, rows: int) -> bool:
     )
 
 
-def row_class(rows: int) -> int:
-    """The row count a shape is tuned at: the power of two at or above `rows` (the kernels'
-    BLOCK_M), so the CUDA graphs' batch sizes 1..64 share eight tunings."""
-    return triton.next_power_of_2(max(rows, 1))
-
-
-# (N, K, row class) -> the config to use, or None for cuBLAS
-_table: dict[tuple[int, int, int], Config | None] = {}
-_loaded: set[str] = set()
-
-
-def _load_tuned(device: str) -> None:
-    """The table measured on a device of this name (gemv_tuned.json), once."""
-    if device in _loaded:
-        return
-    _loaded.add(device)
-    if not TUNED.is_file():
-        return
-    for row in json.loads(TUNED.read_text()).get(device, []):
-        cfg = Config(**row["config"]) if row.get("config") else None
-        _table.setdefault((row["n"], row["k"], row["rows"]), cfg)
+# (N, K) and row class -> the config to use, or None for cuBLAS
+TABLE: TunedTable[Config] = TunedTable(TUNED, ("n", "k"), Config)
 
 
 def choose(n: int, k: int, rows: int, device: str | None = None) -> Config | None:
@@ -353,24 +334,18 @@ def choose(n: int, k: int, rows: int, device: str | None = None) -> Config | Non
     CUDA device's name, whose tuned table (if any) comes first."""
     if rows > MAX_ROWS or rows < 1:
         return None
-    if device is not None:
-        _load_tuned(device)
     # untuned shapes and devices: cuBLAS. The skinny kernels serve only where timing chose them.
-    return _table.get((n, k, row_class(rows)))
+    return TABLE.lookup((n, k), rows, device)[1]
 
 
 def set_choice(n: int, k: int, rows: int, cfg: Config | None) -> None:
     """Pin the config for a shape's row class (the GPU check's tuning, or cuBLAS with None)."""
-    _table[(n, k, row_class(rows))] = cfg
+    TABLE.pin((n, k), rows, cfg)
 
 
 def table_rows(device: str) -> dict[str, list[dict]]:
     """The pinned choices, in gemv_tuned.json's layout."""
-    rows = [
-        {"n": n, "k": k, "rows": r, "config": asdict(cfg) if cfg else None}
-        for (n, k, r), cfg in sorted(_table.items())
-    ]
-    return {device: rows}
+    return TABLE.rows(device)
 
 
 def tune(
