@@ -49,7 +49,6 @@ class AttentionBackend(ABC):
     def prepare(self, layout: BatchLayout) -> Any:
         """Per-step metadata, built once and passed to every layer's `forward`."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -60,6 +59,14 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D], k and v: [T, Hk, D] for the step's new tokens; returns [T, Hq, D].
         k and v None: the caller already wrote them at `new_token_slots(meta)`."""
+        # write first: a request's new tokens are part of what it attends to
+        if k is not None and v is not None:
+            self.pool.store(layer, meta.out_loc, k, v)
+        return self.attend(q, layer, meta)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: int, meta: Any) -> torch.Tensor:
+        """q's attention over every cached position of its request (this step's K and V in)."""
 
     def new_token_slots(self, meta: Any) -> torch.Tensor | None:
         """Where this step's new K and V go in the pool, for a caller that writes them itself

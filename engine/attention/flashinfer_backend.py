@@ -96,17 +96,7 @@ class FlashInferAttention(AttentionBackend):
         self._plan(self.prefill, idx, qo_indptr, causal=True)
         return FlashInferMeta(self.prefill, layout.out_loc)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: int,
-        meta: FlashInferMeta,
-    ) -> torch.Tensor:
-        # write first: a request's new tokens are part of what it attends to
-        if k is not None and v is not None:
-            self.pool.store(layer, meta.out_loc, k, v)
+    def attend(self, q: torch.Tensor, layer: int, meta: FlashInferMeta) -> torch.Tensor:
         if (d := meta.decode) is not None:
             return self._decode_kernel.decode_attention(
                 q,

@@ -92,17 +92,7 @@ class TorchAttention(AttentionBackend):
             mask=keep[:, None, None, :].to(device, non_blocking=True),
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: int,
-        meta: TorchMeta,
-    ) -> torch.Tensor:
-        # write first: a request's new tokens are part of what it attends to
-        if k is not None and v is not None:
-            self.pool.store(layer, meta.out_loc, k, v)
+    def attend(self, q: torch.Tensor, layer: int, meta: TorchMeta) -> torch.Tensor:
         k_all, v_all = self.pool.k[layer], self.pool.v[layer]
         out = torch.empty_like(q)
         for s in meta.seqs:

@@ -58,17 +58,7 @@ class TritonAttention(AttentionBackend):
         parts = buf.split(cuts)
         return TritonMeta(*parts, out_loc=layout.out_loc)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: int,
-        meta: TritonMeta,
-    ) -> torch.Tensor:
-        # write first: a request's new tokens are part of what it attends to
-        if k is not None and v is not None:
-            self.pool.store(layer, meta.out_loc, k, v)
+    def attend(self, q: torch.Tensor, layer: int, meta: TritonMeta) -> torch.Tensor:
         return paged_attention(
             q,
             self.pool.k[layer],

@@ -174,12 +174,13 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         # a few decode rows on CUDA: each norm runs inside the GEMV of the projection after it
-        stream = residual if residual is not None else h
-        fold = attn.qkv_proj.folded(h) if h is not None and stream is not None else None
-        if fold is not None and stream is not None and stream.dtype == ln1.weight.dtype:
+        # (not for a float32 residual stream: the GEMV rounds the new stream to its own dtype)
+        fold = attn.qkv_proj.folded(h) if h is not None else None
+        if fold is not None and h is not None and (residual is None or residual.dtype == h.dtype):
             g, cfg = fold
+            delta, stream = (None, h) if residual is None else (h, residual)
             qkv, residual = g.norm_gemv(
-                None if residual is None else h,
+                delta,
                 stream,
                 ln1.weight,
                 ln1.eps,
