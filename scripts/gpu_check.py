@@ -55,12 +55,14 @@ import engine.llm  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from engine.kvcache.pool import KVPool  # noqa: E402
-from engine.models.kernels import set_unfused  # noqa: E402
+from engine.models.kernels import DECODE_KERNELS, set_unfused  # noqa: E402
 from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf, resolve  # noqa: E402
 from engine.records import TokenEvent  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from tests.test_gpu import (  # noqa: E402
+    TIE_NOISE,
     LogitTap,
+    Trace,
     compare_greedy,
     make_wide_model,
     rel_err,
@@ -1492,12 +1494,51 @@ def sec_smollm2(r: Report) -> None:
     answer = llm.generate([question], SamplingParams(max_tokens=16), chat=True)[0]["text"]
     prompts = notes_prompts(llm, CHUNK_PROMPTS)
     greedy_prompts = [llm.encode(question, chat=True), *prompts[:GREEDY_PROMPTS]]
-    engine_greedy = [
-        o["token_ids"]
-        for o in llm.generate(greedy_prompts, SamplingParams(max_tokens=GREEDY_TOKENS))
-    ]
+    greedy_params = SamplingParams(max_tokens=GREEDY_TOKENS)
+    runs = {GREEDY_VARIANTS[0][0]: trace_run(llm, greedy_prompts, greedy_params)}
+    hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    hf32 = hf32.to(DEV).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV).eval()
+    for name, kw, unfused in GREEDY_VARIANTS[1:]:
+        set_unfused(list(unfused))
+        try:
+            other = make(**kw)
+            if other.dtype == torch.float32:  # HF fp32's weights: the bf16-rounded ones
+                bf16_rounded(other.model)
+            runs[name] = trace_run(other, greedy_prompts, greedy_params)
+            del other
+        finally:
+            set_unfused([])
+        free()
+    summary, detail, graw = greedy_tables(greedy_prompts, runs, hf16, hf32)
+    r.table(
+        f"SmolLM2: greedy tokens against Hugging Face generate on the same weights, the chat "
+        f"question and {GREEDY_PROMPTS} notes prompts, {GREEDY_TOKENS} new tokens (fewer where "
+        "one stops at EOS). Where a run parts from HF fp32's tokens, its inputs are still HF "
+        "fp32's: a near-tie when HF fp32's logits of the two tokens there differ by at most "
+        f"{TIE_NOISE:g}x the RMS of the run's and HF fp32's logit difference at that position "
+        "(the rule of the GPU tests' compare_greedy); a mismatch otherwise",
+        GREEDY_SUMMARY_HEADERS,
+        summary,
+    )
+    r.table(
+        "SmolLM2: per prompt, where each run parts from HF fp32's greedy tokens "
+        "(step: fp32 top-2 gap / RMS logit difference there)",
+        ["prompt", "tokens", *runs, "HF bf16"],
+        detail,
+    )
+    r.data["smollm2_greedy"] = graw
+    rows, raw = logits_table_rows(
+        "SmolLM2-135M-Instruct",
+        make,
+        hf32,
+        hf16,
+        [*prompts[:3], greedy_prompts[0]],
+        hf32.config.vocab_size,
+    )
+    r.table("SmolLM2: logits against Hugging Face on the same (bf16) weights", LOGITS_HEADERS, rows)
+    # the greedy and logits tables first: they are what a run short of time must not lose
     crow = chunk_rows(llm, prompts, "SmolLM2-135M-Instruct")
-    logit_prompts = [*prompts[:3], llm.encode(question, chat=True)]
     del llm
     free()
     if not r.bench_quick:  # measured in call N (2026-12-01): 32 of 32 the same
@@ -1505,23 +1546,6 @@ def sec_smollm2(r: Report) -> None:
         crow += chunk_rows(inv, prompts, "SmolLM2-135M-Instruct, batch-invariant")
         del inv
         free()
-    hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    hf32 = hf32.to(DEV).eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV).eval()
-    rows, raw = logits_table_rows(
-        "SmolLM2-135M-Instruct", make, hf32, hf16, logit_prompts, hf32.config.vocab_size
-    )
-    r.table("SmolLM2: logits against Hugging Face on the same (bf16) weights", LOGITS_HEADERS, rows)
-    grows, graw = greedy_rows(greedy_prompts, engine_greedy, hf16, hf32)
-    r.table(
-        f"SmolLM2: the engine's greedy tokens (default path: FlashInfer, graphs, the decode "
-        f"kernels) against Hugging Face generate on the same weights, {GREEDY_TOKENS} tokens "
-        "(fewer where one stops at EOS); at a divergence, HF fp32's logits of the two tokens "
-        "at that position (inputs identical up to it)",
-        GREEDY_HEADERS,
-        grows,
-    )
-    r.data["smollm2_greedy"] = graw
     r.say(f"Greedy chat answer on the GPU to {question!r}: {answer!r}")
     r.table(
         "SmolLM2: chunked against unchunked prefill (budget 8192), greedy, first 32 tokens of "
@@ -1551,22 +1575,51 @@ def sec_smollm2(r: Report) -> None:
 
 
 GREEDY_PROMPTS, GREEDY_TOKENS = 16, 32  # the chat question and this many notes prompts
-GREEDY_HEADERS = [
-    "prompt",
-    "tokens",
-    "engine = HF bf16",
-    "engine = HF fp32",
-    "first divergence from fp32",
-    "fp32 logit gap there (engine's - HF fp32's token)",
-    "fp32 top-2 gap",
+# the engine's runs in the greedy comparison: (name, LLM arguments, decode kernels turned off)
+GREEDY_VARIANTS: tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...] = (
+    ("default (bf16)", {}, ()),
+    ("bf16, issue 17's kernels off", {}, DECODE_KERNELS),
+    (
+        "float32 (torch attention)",
+        {"dtype": "float32", "attention_backend": "torch", "cuda_graph": False, "num_pages": 8192},
+        (),
+    ),
+)
+GREEDY_SUMMARY_HEADERS = [
+    "run",
+    "prompts",
+    "= HF bf16",
+    "= HF fp32",
+    "parts from fp32 at a near-tie",
+    "parts from fp32 at a clear winner (mismatch)",
+    "largest fp32 top-2 gap where it parts",
 ]
 
 
-def greedy_rows(
-    prompts: list[list[int]], engine: list[list[int]], hf16: Any, hf32: Any
-) -> tuple[list[list[Any]], list[dict[str, Any]]]:
-    """Per prompt: do the engine's greedy tokens equal HF bf16's and HF fp32's; where they part
-    from fp32's, how close fp32's own logits of the two tokens are (a near-tie, or a bug)."""
+def greedy_verdict(
+    ref: Any, ids: list[int], want: list[int], got: list[int], row: Callable[[int], torch.Tensor]
+) -> dict[str, Any]:
+    """Where `got` (a run's greedy tokens after `ids`) parts from `want` (the reference model
+    `ref`'s), and whether that is a near-tie: the reference's logits of the two tokens at that
+    position (inputs identical up to it) differ by at most TIE_NOISE times the RMS of the
+    reference's and the run's logits difference there; `row(j)` is the run's logits at step j."""
+    n = min(len(want), len(got))
+    j = next((t for t in range(n) if want[t] != got[t]), None)
+    if j is None:
+        return {"n": n, "diverge": None, "verdict": "same"}
+    ref_row, run_row = hf_logits(ref, ids + got[:j], 1)[0], row(j).float().cpu()
+    noise = float((ref_row - run_row).pow(2).mean().sqrt())
+    gap = float(ref_row[want[j]] - ref_row[got[j]])
+    verdict = "tie" if gap <= TIE_NOISE * noise else "mismatch"
+    return {"n": n, "diverge": j, "gap": gap, "noise": noise, "verdict": verdict}
+
+
+def greedy_tables(
+    prompts: list[list[int]], runs: dict[str, list[Trace]], hf16: Any, hf32: Any
+) -> tuple[list[list[Any]], list[list[Any]], dict[str, Any]]:
+    """Each engine run's greedy tokens, and HF bf16's, against HF fp32's (with the verdict of
+    `greedy_verdict` where they part) and against HF bf16's: a summary row per run, a detail
+    row per prompt."""
 
     def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
         with torch.inference_mode():
@@ -1574,22 +1627,53 @@ def greedy_rows(
             out = model.generate(x, max_new_tokens=n, do_sample=False, top_p=None, top_k=None)
         return out[0, len(ids) :].tolist()
 
-    rows, raw = [], []
-    for i, (ids, eng) in enumerate(zip(prompts, engine, strict=True)):
-        b16, b32 = hf_greedy(hf16, ids, len(eng)), hf_greedy(hf32, ids, len(eng))
-        n = min(len(eng), len(b16), len(b32))
-        j = next((t for t in range(n) if eng[t] != b32[t]), None)
-        gap = top2 = None
-        if j is not None:
-            logits = hf_logits(hf32, ids + eng[:j], 1)[0]
-            gap = float(logits[eng[j]] - logits[b32[j]])
-            top2 = float(logits.topk(2).values.diff().abs()[0])
-        same16, same32 = eng[:n] == b16[:n], eng[:n] == b32[:n]
-        raw.append(dict(prompt_len=len(ids), n=n, same_bf16=same16, same_fp32=same32,
-                        diverge=j, gap=gap, top2=top2))  # fmt: skip
+    n_new = max(len(t.tokens) for run in runs.values() for t in run)
+    b16 = [hf_greedy(hf16, ids, n_new) for ids in prompts]
+    b32 = [hf_greedy(hf32, ids, n_new) for ids in prompts]
+    verdicts: dict[str, list[dict[str, Any]]] = {}
+    same16: dict[str, list[bool]] = {}
+    for name, run in runs.items():
+        verdicts[name] = [
+            greedy_verdict(hf32, ids, want, t.tokens, lambda j, t=t: t.logits[j])
+            for ids, want, t in zip(prompts, b32, run, strict=True)
+        ]
+        same16[name] = [
+            t.tokens[: (k := min(len(t.tokens), len(b)))] == b[:k]
+            for t, b in zip(run, b16, strict=True)
+        ]
+    verdicts["HF bf16"] = [
+        greedy_verdict(
+            hf32, ids, want, got, lambda j, ids=ids, got=got: hf_logits(hf16, ids + got[:j], 1)[0]
+        )  # fmt: skip
+        for ids, want, got in zip(prompts, b32, b16, strict=True)
+    ]
+    same16["HF bf16"] = [True] * len(prompts)
+    summary = []
+    for name, vs in verdicts.items():
+        gaps = [v["gap"] for v in vs if v["diverge"] is not None]
+        summary.append([
+            name,
+            len(vs),
+            sum(same16[name]),
+            sum(v["verdict"] == "same" for v in vs),
+            sum(v["verdict"] == "tie" for v in vs),
+            sum(v["verdict"] == "mismatch" for v in vs),
+            max(gaps) if gaps else "-",
+        ])  # fmt: skip
+
+    def cell(v: dict[str, Any]) -> str:
+        if v["diverge"] is None:
+            return "="
+        what = "tie" if v["verdict"] == "tie" else "MISMATCH"
+        return f"{what} at {v['diverge']} ({v['gap']:.3f} / {v['noise']:.3f})"
+
+    detail = []
+    for i, ids in enumerate(prompts):
         name = "chat question" if i == 0 else f"notes {i} ({len(ids)} tokens)"
-        rows.append([name, n, same16, same32, "-" if j is None else j, gap, top2])
-    return rows, raw
+        n = min(v[i]["n"] for v in verdicts.values())
+        detail.append([name, n, *(cell(v[i]) for v in verdicts.values())])
+    raw = {"verdicts": verdicts, "same_bf16": same16, "hf_bf16": b16, "hf_fp32": b32}
+    return summary, detail, raw
 
 
 # -- per-kernel breakdown of a decode step ---------------------------------------------------

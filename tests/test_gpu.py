@@ -457,3 +457,24 @@ def test_torch_backend_still_serves_cuda(make_llm: Callable[..., Any], wide_qwen
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     counts = compare_greedy(trace_run(ref, prompts, params), trace_run(fi, prompts, params), 8)
     assert counts["mismatches"] == 0, counts
+
+
+def test_float32_engine_gives_hf_fp32_greedy_tokens(
+    make_llm: Callable[..., Any], wide_llama: Path
+) -> None:
+    """In float32 on CUDA (torch attention, eager) the engine's greedy tokens are Hugging Face
+    fp32's, token for token, through batching, paging and decode: where the bf16 path parts
+    from HF at a near-tie, its rounding does, not its logic."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.sampling import SamplingParams
+
+    llm = make_llm(wide_llama, dtype="float32", attention_backend="torch", cuda_graph=False)
+    hf = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.float32).cuda().eval()
+    prompts = random_prompts(6, 10, 600, seed=30)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = list(prompt)
+        for _ in range(16):  # HF greedy without stopping at EOS, as ignore_eos does
+            ids.append(int(hf_logits(hf, ids, 1)[0].argmax()))
+        assert out["token_ids"] == ids[len(prompt) :]

@@ -236,3 +236,35 @@ def test_gap_logits_rows_on_cpu(gc: ModuleType, tmp_path: Path, monkeypatch: Any
     assert rows[0][3] == raw["nosplit"]["error"]
     assert rows[0][4] < 1e-4  # page 1
     assert "HF bf16" in gc.gap_verdict({}, {}, rows)
+
+
+def test_greedy_tables_on_the_cpu(gc: ModuleType, tiny_llama_dir: Path) -> None:
+    """The SmolLM2 greedy comparison's logic, on a tiny model in float32: the engine's run equals
+    HF's; a run made to part where HF has a clear winner is a mismatch, and the same parting
+    is a near-tie once the run's logits there are as far from HF's as the two tokens' gap."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from engine.sampling import SamplingParams
+
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", max_running_req=4, progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (7, 30, 55)]
+    run = gc.trace_run(llm, prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    summary, detail, raw = gc.greedy_tables(prompts, {"engine": run}, hf, hf)
+    assert summary[0][:6] == ["engine", 3, 3, 3, 0, 0]  # as HF bf16 (here HF itself), HF fp32
+    assert [row[2] for row in detail] == ["=", "=", "="]
+
+    want = raw["hf_fp32"][1]
+    ref = gc.hf_logits(hf, prompts[1] + want[:2], 1)[0]
+    other = int(ref.topk(2).indices[1])  # HF's second choice at step 2
+    got = [*want[:2], other, *want[3:]]
+    gap = float(ref[want[2]] - ref[other])
+    assert gap > 0
+    clear = gc.greedy_verdict(hf, prompts[1], want, got, lambda j: ref)
+    assert clear["diverge"] == 2 and clear["verdict"] == "mismatch" and clear["noise"] == 0
+    assert clear["gap"] == pytest.approx(gap)
+    noisy = ref + torch.randn(ref.shape, generator=torch.Generator().manual_seed(0)) * gap
+    tie = gc.greedy_verdict(hf, prompts[1], want, got, lambda j: noisy)
+    assert tie["verdict"] == "tie" and tie["noise"] == pytest.approx(gap, rel=0.05)
