@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,7 @@ class Report:
         self.switch: Switch | None = None  # the one event hook those sections install
         self.pytest_files: list[str] = []
         self.bench_quick = False
+        self.smollm2_greedy_only = False
         out.mkdir(parents=True, exist_ok=True)
 
     def elapsed(self) -> float:
@@ -1495,20 +1497,26 @@ def sec_smollm2(r: Report) -> None:
     prompts = notes_prompts(llm, CHUNK_PROMPTS)
     greedy_prompts = [llm.encode(question, chat=True), *prompts[:GREEDY_PROMPTS]]
     greedy_params = SamplingParams(max_tokens=GREEDY_TOKENS)
-    runs = {GREEDY_VARIANTS[0][0]: trace_run(llm, greedy_prompts, greedy_params)}
+    runs = {GREEDY_VARIANTS[0].name: trace_run(llm, greedy_prompts, greedy_params)}
     hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     hf32 = hf32.to(DEV).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV).eval()
-    for name, kw, unfused in GREEDY_VARIANTS[1:]:
-        set_unfused(list(unfused))
-        try:
-            other = make(**kw)
-            if other.dtype == torch.float32:  # HF fp32's weights: the bf16-rounded ones
-                bf16_rounded(other.model)
-            runs[name] = trace_run(other, greedy_prompts, greedy_params)
-            del other
-        finally:
-            set_unfused([])
+    for v in GREEDY_VARIANTS[1:]:
+        set_unfused(list(v.unfused))
+        with gemv_everywhere(path) if v.gemv_everywhere else contextlib.nullcontext():
+            try:
+                other = make(**v.llm_args)
+                if other.dtype == torch.float32:  # HF fp32's weights: the bf16-rounded ones
+                    bf16_rounded(other.model)
+                if v.serial:
+                    run = [trace_run(other, [p], greedy_params)[0] for p in greedy_prompts]
+                    r.say(f"{v.name}: the 1-row graph runs {one_row_kernels(other)}.")
+                else:
+                    run = trace_run(other, greedy_prompts, greedy_params)
+                runs[v.name] = run
+                del other
+            finally:
+                set_unfused([])
         free()
     summary, detail, graw = greedy_tables(greedy_prompts, runs, hf16, hf32)
     r.table(
@@ -1528,6 +1536,9 @@ def sec_smollm2(r: Report) -> None:
         detail,
     )
     r.data["smollm2_greedy"] = graw
+    if r.smollm2_greedy_only:
+        r.say(f"Greedy chat answer on the GPU to {question!r}: {answer!r}")
+        return
     rows, raw = logits_table_rows(
         "SmolLM2-135M-Instruct",
         make,
@@ -1575,16 +1586,79 @@ def sec_smollm2(r: Report) -> None:
 
 
 GREEDY_PROMPTS, GREEDY_TOKENS = 16, 32  # the chat question and this many notes prompts
-# the engine's runs in the greedy comparison: (name, LLM arguments, decode kernels turned off)
-GREEDY_VARIANTS: tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...] = (
-    ("default (bf16)", {}, ()),
-    ("bf16, issue 17's kernels off", {}, DECODE_KERNELS),
-    (
-        "float32 (torch attention)",
-        {"dtype": "float32", "attention_backend": "torch", "cuda_graph": False, "num_pages": 8192},
-        (),
+
+
+@dataclasses.dataclass(frozen=True)
+class GreedyVariant:
+    """One engine run of the greedy comparison."""
+
+    name: str
+    llm_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    unfused: tuple[str, ...] = ()  # decode kernels turned off (engine.models.kernels)
+    serial: bool = False  # one prompt at a time: the 1-row graph
+    gemv_everywhere: bool = False  # every weight's 1-row matmul through engine/kernels/gemv.py
+
+
+# SmolLM2's head shape has no tuned decode table and its matmuls none either, so at 17 rows its
+# graphs run FlashInfer's decode and cuBLAS. One prompt at a time the 1-row graph runs the decode
+# kernel (CUDA cores) and the fused qkv epilogue; with the GEMVs forced on every weight, the
+# norms fold into them as well: all of issue 17's kernels on the real weights.
+FLOAT32 = {"dtype": "float32", "attention_backend": "torch", "cuda_graph": False, "num_pages": 8192}
+GREEDY_VARIANTS = (
+    GreedyVariant("default (bf16)"),
+    GreedyVariant("bf16, issue 17's kernels off", unfused=DECODE_KERNELS),
+    GreedyVariant("float32 (torch attention)", FLOAT32),
+    GreedyVariant("default (bf16), one prompt at a time", serial=True),
+    GreedyVariant(
+        "bf16, one at a time, the GEMVs on every weight", serial=True, gemv_everywhere=True
+    ),
+    GreedyVariant(
+        "bf16, issue 17's kernels off, one at a time", unfused=DECODE_KERNELS, serial=True
     ),
 )
+
+
+def one_row_kernels(llm: LLM) -> str:
+    """Which of issue 17's kernels the engine's 1-row decode graph was captured with."""
+    from engine.kernels import gemv as G
+    from engine.models.kernels import skinny_gemv
+
+    graphs = llm.runner.graphs
+    meta = None if graphs is None else graphs.metas.get(1)
+    decode = (
+        "this decode kernel" if getattr(meta, "decode", None) is not None else "FlashInfer's decode"
+    )
+    x = torch.empty(1, llm.model_config.hidden_size, dtype=llm.dtype, device=llm.device)
+    on = skinny_gemv(x) is not None
+    dev = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else None
+    weights = [w for n, w in llm.model.named_parameters() if w.dim() == 2 and "embed" not in n]
+    mats = sum(on and G.choose(*w.shape, 1, dev) is not None for w in weights)
+    return (
+        f"{decode}, and the GEMV for {mats} of its {len(weights)} weight matrices (cuBLAS the rest)"
+    )
+
+
+@contextlib.contextmanager
+def gemv_everywhere(path: Path) -> Iterator[None]:
+    """Every weight of the model at `path` through engine/kernels/gemv.py at one row (a config
+    that folds the norm before it), whatever the tuned table says; the table is put back after."""
+    from engine.kernels import gemv as G
+    from engine.models.config import ModelConfig
+
+    m = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    h, d = m.hidden_size, m.head_dim
+    shapes = [((m.num_heads + 2 * m.num_kv_heads) * d, h), (h, m.num_heads * d),
+              (2 * m.intermediate_size, h), (h, m.intermediate_size), (m.vocab_size, h)]  # fmt: skip
+    saved = dict(G.TABLE.choices)
+    for n, k in shapes:
+        G.set_choice(n, k, 1, G.Config(block_n=4, block_k=256))
+    try:
+        yield
+    finally:
+        G.TABLE.choices.clear()
+        G.TABLE.choices.update(saved)
+
+
 GREEDY_SUMMARY_HEADERS = [
     "run",
     "prompts",
@@ -2665,11 +2739,17 @@ def main() -> int:
         action="store_true",
         help="bench: batches 1 and 64 of the default path and the precision options only",
     )
+    ap.add_argument(
+        "--smollm2-greedy-only",
+        action="store_true",
+        help="smollm2: the greedy comparison against Hugging Face only",
+    )
     ap.add_argument("--deadline-s", type=float, default=540.0, help="skip what would start later")
     args = ap.parse_args()
     r = Report(args.out, args.deadline_s)
     r.pytest_files = args.pytest_files.split(",")
     r.bench_quick = args.bench_quick
+    r.smollm2_greedy_only = args.smollm2_greedy_only
     wanted = args.sections.split(",")
     unknown = set(wanted) - set(SECTIONS)
     if unknown:

@@ -23,6 +23,9 @@
 #   bash scripts/gpu_round.sh OUT tests      # the GPU tests alone (carry the GGUF's first half)
 #   bash scripts/gpu_round.sh OUT smollm2    # right after (the second half): SmolLM2's logits
 #                                            #   and greedy tokens against Hugging Face
+#   bash scripts/gpu_round.sh OUT stash      # only keep the GGUF's first half for the next call
+#   bash scripts/gpu_round.sh OUT greedy     # right after (the second half): SmolLM2's greedy
+#                                            #   tokens against Hugging Face only
 #
 # Carried (the machine has no internet): .whl (FlashInfer 0.5.3, apache-tvm-ffi, gguf),
 # .dev/ss.tgz (a tokenizer-only copy of the converted SmolLM2, which the dummy-weight configs
@@ -56,6 +59,13 @@ case $CALL in
       echo "the first half of the GGUF is not here (a fresh machine): random weights only"
     fi
     python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 --bench-quick \
+      --sections warmup,smollm2 2>&1 | tee "$OUT/log.txt"
+    ;;
+  stash) ls -la /tmp/persist ;;
+  greedy)
+    cat /tmp/persist/gguf.partaa /tmp/persist/gguf.partab > /tmp/smollm2.gguf || exit 3
+    export SMOLLM2_GGUF=/tmp/smollm2.gguf
+    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 --smollm2-greedy-only \
       --sections warmup,smollm2 2>&1 | tee "$OUT/log.txt"
     ;;
   tests)
