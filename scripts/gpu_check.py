@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ from tests.test_gpu import (  # noqa: E402
     LogitTap,
     Trace,
     compare_greedy,
+    gemv_pinned,
     make_wide_model,
     rel_err,
     trace_run,
@@ -1503,7 +1504,11 @@ def sec_smollm2(r: Report) -> None:
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV).eval()
     for v in GREEDY_VARIANTS[1:]:
         set_unfused(list(v.unfused))
-        with gemv_everywhere(path) if v.gemv_everywhere else contextlib.nullcontext():
+        with (
+            gemv_pinned(path, (1,), one_row_gemv())
+            if v.gemv_everywhere
+            else (contextlib.nullcontext())
+        ):
             try:
                 other = make(**v.llm_args)
                 if other.dtype == torch.float32:  # HF fp32's weights: the bf16-rounded ones
@@ -1618,6 +1623,13 @@ GREEDY_VARIANTS = (
 )
 
 
+def one_row_gemv() -> Any:
+    """A GEMV configuration for one row that folds the norm before it (split 1, no dot)."""
+    from engine.kernels.gemv import Config
+
+    return Config(block_n=4, block_k=256)
+
+
 def one_row_kernels(llm: LLM) -> str:
     """Which of issue 17's kernels the engine's 1-row decode graph was captured with."""
     from engine.kernels import gemv as G
@@ -1636,27 +1648,6 @@ def one_row_kernels(llm: LLM) -> str:
     return (
         f"{decode}, and the GEMV for {mats} of its {len(weights)} weight matrices (cuBLAS the rest)"
     )
-
-
-@contextlib.contextmanager
-def gemv_everywhere(path: Path) -> Iterator[None]:
-    """Every weight of the model at `path` through engine/kernels/gemv.py at one row (a config
-    that folds the norm before it), whatever the tuned table says; the table is put back after."""
-    from engine.kernels import gemv as G
-    from engine.models.config import ModelConfig
-
-    m = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    h, d = m.hidden_size, m.head_dim
-    shapes = [((m.num_heads + 2 * m.num_kv_heads) * d, h), (h, m.num_heads * d),
-              (2 * m.intermediate_size, h), (h, m.intermediate_size), (m.vocab_size, h)]  # fmt: skip
-    saved = dict(G.TABLE.choices)
-    for n, k in shapes:
-        G.set_choice(n, k, 1, G.Config(block_n=4, block_k=256))
-    try:
-        yield
-    finally:
-        G.TABLE.choices.clear()
-        G.TABLE.choices.update(saved)
 
 
 GREEDY_SUMMARY_HEADERS = [

@@ -8,6 +8,7 @@ comparisons test the kernels, not luck in near-ties. scripts/gpu_check.py runs t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -313,6 +314,28 @@ SKINNY_FAMILIES = {
 }
 
 
+@contextlib.contextmanager
+def gemv_pinned(path: Path, rows: tuple[int, ...], cfg: Any) -> Iterator[None]:
+    """Every weight of the model at `path` through engine/kernels/gemv.py's `cfg` at these
+    row classes, whatever a tuned table would choose; the table is put back after."""
+    from engine.kernels import gemv as G
+
+    c = json.loads((path / "config.json").read_text())
+    h, heads, kv, d = (c[k] for k in ("hidden_size", "num_attention_heads",
+                                      "num_key_value_heads", "head_dim"))  # fmt: skip
+    inter, vocab = c["intermediate_size"], c["vocab_size"]
+    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter), (vocab, h)]
+    saved = dict(G.TABLE.choices)
+    for n, k in shapes:
+        for r in rows:
+            G.set_choice(n, k, r, cfg)
+    try:
+        yield
+    finally:
+        G.TABLE.choices.clear()
+        G.TABLE.choices.update(saved)
+
+
 @pytest.fixture(params=sorted(SKINNY_FAMILIES))
 def skinny_everywhere(
     request: pytest.FixtureRequest, wide_qwen3: Path
@@ -321,19 +344,9 @@ def skinny_everywhere(
     configurations, whatever a tuned table would choose; yields the batch sizes it serves."""
     from engine.kernels import gemv as G
 
-    saved = dict(G.TABLE.choices)
-    cfg = json.loads((wide_qwen3 / "config.json").read_text())
-    h, heads, kv, d = (cfg[k] for k in ("hidden_size", "num_attention_heads",
-                                        "num_key_value_heads", "head_dim"))  # fmt: skip
-    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
-    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter), (vocab, h)]
     rows, kw = SKINNY_FAMILIES[request.param]
-    for n, k in shapes:
-        for r in rows:
-            G.set_choice(n, k, r, G.Config(**kw))
-    yield (1, 5) if rows[0] == 1 else (12, 40)  # graphs of 1 and 8 rows, or of 16 and 40
-    G.TABLE.choices.clear()
-    G.TABLE.choices.update(saved)
+    with gemv_pinned(wide_qwen3, rows, G.Config(**kw)):
+        yield (1, 5) if rows[0] == 1 else (12, 40)  # graphs of 1 and 8 rows, or of 16 and 40
 
 
 def test_engine_with_the_skinny_matmuls_matches_hf_and_cublas(
@@ -478,3 +491,39 @@ def test_float32_engine_gives_hf_fp32_greedy_tokens(
         for _ in range(16):  # HF greedy without stopping at EOS, as ignore_eos does
             ids.append(int(hf_logits(hf, ids, 1)[0].argmax()))
         assert out["token_ids"] == ids[len(prompt) :]
+
+
+def test_one_row_graph_at_smollm2s_shape_runs_every_decode_kernel_and_matches_hf(
+    make_llm: Callable[..., Any], wide_llama: Path
+) -> None:
+    """SmolLM2's shape (9 query heads per 3 KV heads, head dim 64, hidden 576), one request at
+    a time: the 1-row graph with this decode kernel, the fused qkv epilogue and the GEMVs (norms
+    folded) on every weight, against the same engine with those kernels off and against HF."""
+    from engine.kernels import gemv as G
+    from engine.models.kernels import DECODE_KERNELS, set_unfused, skinny_gemv
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = random_prompts(4, 10, 900, seed=40)
+    with gemv_pinned(wide_llama, (1,), G.Config(block_n=4, block_k=256)):
+        ours = make_llm(wide_llama)
+        assert ours.runner.graphs.metas[1].decode is not None  # this decode kernel
+        x = torch.empty(1, 576, dtype=torch.bfloat16, device="cuda")
+        assert skinny_gemv(x) is not None and G.foldable(G.choose(960, 576, 1))
+        a = [trace_run(ours, [p], params)[0] for p in prompts]
+    set_unfused(list(DECODE_KERNELS))
+    try:
+        theirs = make_llm(wide_llama)
+        assert theirs.runner.graphs.metas[1].decode is None
+        b = [trace_run(theirs, [p], params)[0] for p in prompts]
+    finally:
+        set_unfused([])
+    assert compare_greedy(b, a, 12)["mismatches"] == 0
+    hf32, hf16 = hf_reference(wide_llama), hf_reference(wide_llama).to(torch.bfloat16)
+    worst_ours = worst_hf16 = 0.0
+    for prompt, run in zip(prompts, a, strict=True):
+        ids = prompt + run.tokens
+        ref, bf16 = hf_logits(hf32, ids[:-1], 12), hf_logits(hf16, ids[:-1], 12)
+        worst_ours = max(worst_ours, *(rel_err(g, r) for g, r in zip(run.logits, ref, strict=True)))
+        worst_hf16 = max(worst_hf16, *(rel_err(h, r) for h, r in zip(bf16, ref, strict=True)))
+    assert worst_ours <= max(BF16_RTOL, HF_BF16_FACTOR * worst_hf16), (worst_ours, worst_hf16)
