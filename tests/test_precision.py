@@ -81,15 +81,24 @@ def test_float32_residual_stream_cuts_the_bf16_error(smollm2_dir) -> None:
     assert wide.info.residual_dtype == "float32" and plain.info.residual_dtype == "bfloat16"
     rng = random.Random(0)
     # many prompts: one prompt's error is one draw from a wide spread (2.7e-3 to 2.5e-2 for the
-    # usual layout), so a few prompts make a ratio that differs from run to run of prompts
-    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(8, 97))] for _ in range(16)]
+    # usual layout), and so is the ratio of 16 prompts' sums (0.49 to 0.95 over five sets of 16
+    # on one CPU), so the sums pool 64
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(8, 97))] for _ in range(64)]
     truth = last_logits(ref, prompts)
     err_plain = [rel_err(a, r) for a, r in zip(last_logits(plain, prompts), truth, strict=True)]
     err_wide = [rel_err(a, r) for a, r in zip(last_logits(wide, prompts), truth, strict=True)]
+    print(
+        f"mean error: float32 stream {statistics.mean(err_wide):.2e}, usual layout "
+        f"{statistics.mean(err_plain):.2e}, ratio of sums {sum(err_wide) / sum(err_plain):.3f}"
+    )
     # Each bfloat16 rounding is off by up to 2^-9. The usual layout rounds the whole stream
     # after each of its 60 adds, on top of the roundings both layouts share (each sublayer's
-    # inputs and outputs, the final norm, the logits). Measured with these prompts: a mean error
-    # of 4.7e-3 for the float32 stream (bound: 4 units, 7.8e-3; a layout bug gives errors of order
-    # 1), and 0.49 of the usual layout's summed error (bound: 0.7).
+    # inputs and outputs, the final norm, the logits). The bf16 elementwise kernels (adds,
+    # products, SiLU) differ between a CPU's vector units, so the figures do too. Measured with
+    # these prompts on one Xeon with AMX (2026-12-02), by ATEN_CPU_CAPABILITY: float32-stream
+    # mean error 5.2e-3 / 5.8e-3 / 5.1e-3 and ratio of sums 0.59 / 0.68 / 0.55 for avx2 /
+    # avx512 / the default (16 prompts had given 0.49 on an earlier machine and 0.71-0.75 here).
+    # Bounds: a mean error of 4 units (7.8e-3) for the float32 stream (a layout bug gives errors
+    # of order 1), and 0.85 of the usual layout's summed error.
     assert statistics.mean(err_wide) <= 4 * BF16_UNIT, (err_wide, err_plain)
-    assert sum(err_wide) <= 0.7 * sum(err_plain), (err_wide, err_plain)
+    assert sum(err_wide) <= 0.85 * sum(err_plain), (err_wide, err_plain)
