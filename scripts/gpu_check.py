@@ -68,6 +68,7 @@ from tests.test_gpu import (  # noqa: E402
     gemv_pinned,
     make_wide_model,
     rel_err,
+    tie_margin,
     trace_run,
 )
 
@@ -1633,7 +1634,7 @@ def one_row_gemv() -> Any:
 def one_row_kernels(llm: LLM) -> str:
     """Which of issue 17's kernels the engine's 1-row decode graph was captured with."""
     from engine.kernels import gemv as G
-    from engine.models.kernels import skinny_gemv
+    from engine.models.kernels import device_name, skinny_gemv
 
     graphs = llm.runner.graphs
     meta = None if graphs is None else graphs.metas.get(1)
@@ -1642,7 +1643,7 @@ def one_row_kernels(llm: LLM) -> str:
     )
     x = torch.empty(1, llm.model_config.hidden_size, dtype=llm.dtype, device=llm.device)
     on = skinny_gemv(x) is not None
-    dev = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else None
+    dev = device_name(llm.device) if llm.device.type == "cuda" else None
     weights = [w for n, w in llm.model.named_parameters() if w.dim() == 2 and "embed" not in n]
     mats = sum(on and G.choose(*w.shape, 1, dev) is not None for w in weights)
     return (
@@ -1673,8 +1674,7 @@ def greedy_verdict(
     if j is None:
         return {"n": n, "diverge": None, "verdict": "same"}
     ref_row, run_row = hf_logits(ref, ids + got[:j], 1)[0], row(j).float().cpu()
-    noise = float((ref_row - run_row).pow(2).mean().sqrt())
-    gap = float(ref_row[want[j]] - ref_row[got[j]])
+    gap, noise = tie_margin(ref_row, run_row, want[j], got[j])
     verdict = "tie" if gap <= TIE_NOISE * noise else "mismatch"
     return {"n": n, "diverge": j, "gap": gap, "noise": noise, "verdict": verdict}
 

@@ -145,10 +145,16 @@ def compare_greedy(ref: list[Trace], other: list[Trace], n_tokens: int) -> dict[
         if j is None:
             out["same"] += 1
             continue
-        row, noise = a.logits[j], (a.logits[j] - b.logits[j]).pow(2).mean().sqrt()
-        tie = float(row[ta[j]] - row[tb[j]]) <= TIE_NOISE * float(noise)
-        out["ties" if tie else "mismatches"] += 1
+        gap, noise = tie_margin(a.logits[j], b.logits[j], ta[j], tb[j])
+        out["ties" if gap <= TIE_NOISE * noise else "mismatches"] += 1
     return out
+
+
+def tie_margin(ref: torch.Tensor, other: torch.Tensor, want: int, got: int) -> tuple[float, float]:
+    """At a greedy divergence with identical inputs: the reference's logit gap between its token
+    and the other run's, and the RMS of the two runs' logit difference there. A near-tie when
+    the gap is within TIE_NOISE of that noise."""
+    return float(ref[want] - ref[got]), float((ref - other).pow(2).mean().sqrt())
 
 
 def hf_logits(model: Any, ids: list[int], last: int) -> torch.Tensor:
