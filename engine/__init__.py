@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from instrumentation.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from engine.sampling import SamplingParams
+        from instrumentation.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

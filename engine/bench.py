@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from engine.config import check_policy
-from engine.errors import EngineError
 from engine.llm import LLM
-from engine.metrics import percentile
-from engine.sampling import SamplingParams
 from engine.workload import AZURE_CONV, Arrival, Scaling, describe, poisson, read_trace, replay
+from instrumentation.errors import EngineError
+from instrumentation.metrics import percentile
+from instrumentation.sampling import SamplingParams
 
 TEXT = (
     "The harbour master kept a ledger of every boat that left at dawn and every boat that came "

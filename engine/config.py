@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.errors import InvalidRequest
+from instrumentation.errors import InvalidRequest
 
 POLICY_NAMES = ("prefill_first", "mixed")
 CACHE_TYPES = ("radix", "naive")

@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from engine.errors import EngineError, InvalidRequest
 from engine.models.config import ModelConfig
 from engine.models.parallel import TPRank, head_shard
 from engine.records import RankTiming
 from engine.runner import RankTimes, StepPlan
+from instrumentation.errors import EngineError, InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,12 @@ import torch
 from engine.attention.registry import create_backend
 from engine.config import EngineConfig, LiveConfig, check_budget, check_policy
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequest, NotFound, TooLarge
 from engine.kvcache.manager import KVManager, KVSnapshot, pages_for
 from engine.kvcache.naive import NaiveCache
 from engine.kvcache.pool import KVPool
 from engine.kvcache.prefix import PrefixCache
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.table import PageTable
-from engine.metrics import request_metrics
 from engine.models.loader import build_model, load_tokenizer, read_config, resolve
 from engine.models.parallel import SINGLE
 from engine.records import (
@@ -40,10 +38,12 @@ from engine.records import (
 )
 from engine.request import Req, RequestState
 from engine.runner import Launched, ModelRunner
-from engine.sampling import SamplingParams
 from engine.scheduler.batch import Batch
 from engine.scheduler.policy import POLICIES, SchedulePolicy
 from engine.scheduler.scheduler import Scheduler
+from instrumentation.errors import InvalidRequest, NotFound, TooLarge
+from instrumentation.metrics import request_metrics
+from instrumentation.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from engine.distributed import Leader

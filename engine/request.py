@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from engine.sampling import SamplingParams
+from instrumentation.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch

@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequest
-from engine.sampling import SamplingParams  # torch-free: it imports torch only to sample
+from instrumentation.errors import InvalidRequest
 from instrumentation.messages import ErrorCode
+from instrumentation.sampling import SamplingParams  # torch-free: it imports torch only to sample
 
 # Bounds that keep a hostile integer from reaching the engine's tensors (int64 seeds, token ids).
 MAX_SEED = 2**63 - 1

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.metrics import percentile, request_metrics
+from instrumentation.metrics import percentile, request_metrics
 
 __all__ = [
     "ENDED_STATES",

@@ -40,7 +40,7 @@ from app.state import EventStore, Snapshot  # noqa: E402
 def load(trace: Path | None, steps: int) -> Snapshot:
     store = EventStore(max_steps=max(steps, 1))
     if trace is None:
-        from tests.app_peer import synthetic_trace
+        from tests.app.app_peer import synthetic_trace
 
         messages = synthetic_trace(steps)
     else:
@@ -80,7 +80,7 @@ def measure(build: Callable[[], object], repeat: int) -> tuple[float, float, int
 
 def busy_trace(num_steps: int, requests: int) -> list[dict]:
     """`requests` long greedy requests decoding together (a new one for each that ends)."""
-    from tests.app_peer import SimEngine
+    from tests.app.app_peer import SimEngine
 
     sim = SimEngine(max_extend_tokens=256, policy="mixed", num_pages=1_000_000)
     out: list[dict] = [_hello(sim)]
@@ -155,7 +155,7 @@ def browser_updates(payloads: list[dict]) -> dict:
     from playwright.sync_api import sync_playwright
 
     from app.live.component import STATIC, style
-    from tests.browser_floor import FLOOR_JS
+    from tests.app.browser_floor import FLOOR_JS
 
     plotly_js = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     html = (

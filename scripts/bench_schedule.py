@@ -31,9 +31,9 @@ from engine.kvcache.manager import KVManager  # noqa: E402
 from engine.kvcache.radix import RadixCache  # noqa: E402
 from engine.kvcache.table import PageTable  # noqa: E402
 from engine.request import RequestState  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
 from engine.scheduler.policy import POLICIES  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
+from instrumentation.sampling import SamplingParams  # noqa: E402
 
 PROMPT, MAX_TOKENS = 64, 4096
 

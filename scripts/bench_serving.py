@@ -48,8 +48,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.metrics import percentile  # noqa: E402  (torch-free)
 from instrumentation.fold import Fold  # noqa: E402
+from instrumentation.metrics import percentile  # noqa: E402  (torch-free)
 
 GUIDELLM = "guidellm==0.8.1"
 QUANTILES = (50, 90, 99)

@@ -22,7 +22,7 @@ status=0
 for section in "$@"; do
   echo "=== $section $(date +%T)"
   case $section in
-    gpu_tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py \
+    gpu_tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py \
                  2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
     autostart) timeout 300 python3 scripts/autostart_check.py --out "$OUT" \
                  --model assets/qwen3-0.6b --engine-args "--load-format dummy --http-port none" \

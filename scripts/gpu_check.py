@@ -4,7 +4,7 @@
 
 Sections, in order (each isolated: one failing prints its traceback and the rest still run):
   warmup     build FlashInfer's JIT kernels in parallel threads (norm, RoPE, SiLU, attention)
-  pytest     tests/test_gpu.py
+  pytest     tests/gpu/test_gpu.py
   bandwidth  device-to-device copy rate, the denominator of every memory floor
   logits     engine vs Hugging Face, last-position logits, Qwen3-0.6B shape with random weights
   backends   FlashInfer vs torch attention inside the engine, per step kind (prefill/mixed/decode)
@@ -59,8 +59,8 @@ from engine.kvcache.pool import KVPool  # noqa: E402
 from engine.models.kernels import DECODE_KERNELS, set_unfused  # noqa: E402
 from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf, resolve  # noqa: E402
 from engine.records import TokenEvent  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from tests.test_gpu import (  # noqa: E402
+from instrumentation.sampling import SamplingParams  # noqa: E402
+from tests.gpu.test_gpu import (  # noqa: E402
     TIE_NOISE,
     LogitTap,
     Trace,
@@ -1362,7 +1362,7 @@ def sec_stall(r: Report) -> None:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    from engine.metrics import percentile
+    from instrumentation.metrics import percentile
 
     v = percentile(xs, q)
     return float("nan") if v is None else v
@@ -2722,7 +2722,7 @@ def main() -> int:
     ap.add_argument("--hf-static-batches", default="64,1,16,256")
     ap.add_argument(
         "--pytest-files",
-        default="tests/test_gpu.py,tests/test_batch_invariant.py",
+        default="tests/gpu/test_gpu.py,tests/engine/test_batch_invariant.py",
         help="what the pytest section runs",
     )
     ap.add_argument(

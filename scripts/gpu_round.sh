@@ -48,7 +48,7 @@ case $CALL in
   kernels)
     python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 --bench-quick \
       --sections warmup,bandwidth,pytest,gemv,kernels,bench,hf_static --hf-static-batches 1,64 \
-      --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py 2>&1 | tee "$OUT/log.txt"
+      --pytest-files tests/gpu/test_gpu.py,tests/engine/test_fused_kernels.py 2>&1 | tee "$OUT/log.txt"
     ;;
   smollm2)
     if [ -f /tmp/persist/gguf.partaa ] && [ -f /tmp/persist/gguf.partab ]; then
@@ -70,7 +70,7 @@ case $CALL in
     ;;
   tests)
     PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 \
-      --sections warmup,pytest --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py \
+      --sections warmup,pytest --pytest-files tests/gpu/test_gpu.py,tests/engine/test_fused_kernels.py \
       2>&1 | tee "$OUT/log.txt"
     ;;
   tune)
@@ -78,11 +78,11 @@ case $CALL in
       --sections warmup,bandwidth,gemv 2>&1 | tee "$OUT/log.txt"
     cp "$OUT/gemv_tuned.json" engine/kernels/gemv_tuned.json  # what the tests' engines load
     PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT/tests" --deadline-s 300 \
-      --sections pytest --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py \
+      --sections pytest --pytest-files tests/gpu/test_gpu.py,tests/engine/test_fused_kernels.py \
       2>&1 | tail -40
     ;;
   final)
-    timeout 120 python3 -m pytest -q -x -n 0 -p no:cacheprovider tests/test_gpu.py \
+    timeout 120 python3 -m pytest -q -x -n 0 -p no:cacheprovider tests/gpu/test_gpu.py \
       -k skinny 2>&1 | grep -v Warning | tail -30 > "$OUT/skinny_test.txt"
     python3 scripts/gpu_check.py --out "$OUT" --deadline-s 540 --bench-quick \
       --sections warmup,bandwidth,kernels,bench,hf_static --hf-static-batches 1,64 \
@@ -110,7 +110,7 @@ case $CALL in
     fi
     PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 \
       --bench-quick --sections warmup,pytest,smollm2 \
-      --pytest-files tests/test_gpu.py,tests/test_fused_kernels.py 2>&1 | tee "$OUT/log.txt"
+      --pytest-files tests/gpu/test_gpu.py,tests/engine/test_fused_kernels.py 2>&1 | tee "$OUT/log.txt"
     ;;
   *) echo "unknown call $CALL" >&2; exit 2 ;;
 esac

@@ -23,8 +23,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from tests.test_gpu import compare_greedy, trace_run  # noqa: E402
-from tests.test_precision import last_logits, rel_err  # noqa: E402
+from tests.engine.test_precision import last_logits, rel_err  # noqa: E402
+from tests.gpu.test_gpu import compare_greedy, trace_run  # noqa: E402
 
 RESIDUALS = {"bf16 residual": None, "float32 residual": "float32"}
 

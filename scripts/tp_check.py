@@ -52,8 +52,8 @@ from gpu_check import (  # noqa: E402
 )
 
 from engine import LLM  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from tests.test_gpu import compare_greedy, trace_run  # noqa: E402
+from instrumentation.sampling import SamplingParams  # noqa: E402
+from tests.gpu.test_gpu import compare_greedy, trace_run  # noqa: E402
 
 LLAMA8B = REPO / "assets" / "llama3-8b"
 SECTIONS = ("warmup", "exact", "bench")

@@ -12,7 +12,7 @@ from tests.models import make_tiny
 
 def pytest_configure(config: pytest.Config) -> None:
     # One torch thread in the test process, as the servers the tests start have (see
-    # tests/test_server_support.py). The suite's models are tiny, so a second thread buys
+    # tests/server/test_server_support.py). The suite's models are tiny, so a second thread buys
     # little, and on a busy 2-core machine OpenMP workers spinning for a descheduled peer made
     # every step ~10x slower (measured: the tiny-model exactness test, 26.7 s against 4.4 s).
     torch.set_num_threads(1)

@@ -100,7 +100,7 @@ class SchedulerSim:
 
     def submit(self, prompt: list[int], max_tokens: int) -> int:
         from engine.request import RequestState
-        from engine.sampling import SamplingParams
+        from instrumentation.sampling import SamplingParams
 
         uid, self.uids = self.uids, self.uids + 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

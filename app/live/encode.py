@@ -6,7 +6,7 @@ decided here, from the messages alone: each item's place in the step's stack, pe
 for the zoomed-out level of detail, and which decoding requests a step left out (stalls).
 The encoder carries only what spans batches (each decoding request's last token), so its work
 is proportional to the new steps, never to what is in view. It is pure: tested without a
-browser (tests/test_app_live.py).
+browser (tests/app/test_app_live.py).
 
 On the wire a step's items are packed (`packed`, see `unpack`): at batch 64 a step is 64
 one-token decodes of the same requests as the step before, so each step says only how its

@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 import torch
 
-from engine.errors import ModelNotFound
 from engine.models.config import ModelConfig
 from engine.models.llama import CausalLM
 from engine.models.parallel import SINGLE, Sections, TPRank, copy_part, take
+from instrumentation.errors import ModelNotFound
 
 BUNDLED = "smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"

@@ -1,0 +1,5 @@
+import sys
+
+from engine.server.core import main
+
+sys.exit(main())

@@ -1,0 +1,267 @@
+"""Prometheus metrics folded from the protocol's message stream, named as vLLM names them.
+
+`EngineMetrics` is a publisher sink: it sees every `step`, `token` and `request` message in the
+engine's order (on the publisher's thread) and keeps vLLM's metrics under the prefix
+`stepscope:` instead of `vllm:`, with the label `model_name`, so vLLM's Grafana panels work once
+the prefix is renamed. Histogram buckets are supersets of vLLM's (every vLLM bound is here, plus
+finer ones below 10 ms for GPU decode steps), so a query for a vLLM bucket still finds it.
+
+Per-request figures use the definitions of instrumentation/metrics.py: TTFT is first token minus queued,
+ITL the gaps between one request's consecutive tokens, and a decode stall (stepscope's own
+`decode_stall_seconds`) is such a gap during which at least one step ran without the request.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+PREFIX = "stepscope:"
+Message = dict[str, Any]
+
+_VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+              7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_VLLM_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+             10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_VLLM_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_FINE = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.0125, 0.015, 0.02, 0.03, 0.04, 0.06,
+         0.15, 0.2, 0.3, 0.4)  # fmt: skip
+
+TTFT_BUCKETS = tuple(sorted({*_VLLM_TTFT, *_FINE}))
+ITL_BUCKETS = tuple(sorted({*_VLLM_ITL, *_FINE}))
+REQUEST_BUCKETS = tuple(sorted({*_VLLM_REQUEST, 0.001, 0.01, 0.05, 0.1, 0.2}))
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(slots=True)
+class _Live:
+    """What the fold keeps of one request until it ends."""
+
+    t_queued: float
+    prompt_len: int
+    state: str = "waiting"  # or "running"
+    t_first: float | None = None
+    t_last: float | None = None
+    tokens: int = 0
+    step_at_last: int = 0  # the step counter when its last token came
+
+
+class _Counter:
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc, self.value = name, doc, 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class _Gauge(_Counter):
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class _Hist:
+    """A histogram as plain numbers: one `bisect` and two additions per observation."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.doc, self.bounds = name, doc, bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class EngineMetrics:
+    """A sink `(msg, text) -> None` plus the registry `/metrics` renders.
+
+    The sink runs on the publisher's thread once per message, so per token it costs a few
+    additions, not prometheus_client's locked metric objects (several microseconds each, held
+    under the GIL the engine thread needs); `collect()` builds the metric families at scrape
+    time. Only the publisher thread writes; a scrape may read a histogram mid-update, which
+    Prometheus tolerates (the next scrape is consistent).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self._model = model_name
+        self._live: dict[int, _Live] = {}
+        self._steps = 0
+        self._running = 0  # of `_live`, those admitted
+        self._stopped: set[int] = set()  # uids the API ended on a stop string
+        self._lock = threading.Lock()  # `mark_stop` comes from the HTTP thread
+        c, g, h = _Counter, _Gauge, _Hist
+        self.running = g("num_requests_running", "Requests admitted and not ended.")
+        self.waiting = g("num_requests_waiting", "Requests queued, not yet admitted.")
+        self.kv_usage = g(
+            "kv_cache_usage_perc", "Fraction of KV pages held by requests (1 = 100%)."
+        )
+        self.prefix_queries = c(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = c("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens of prefilled requests.")
+        self.generation_tokens = c("generation_tokens", "Generated tokens.")
+        self.preemptions = c(
+            "num_preemptions", "Preemptions (this engine never preempts: always 0)."
+        )
+        # vLLM's finished_reason values, present at 0 as vLLM's are
+        self.success = {r: c("request_success", "Ended requests by finish reason.")
+                        for r in ("stop", "length", "abort")}  # fmt: skip
+        self.ttft = h("time_to_first_token_seconds", "Queued to first token.", TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Gap between a request's tokens.", ITL_BUCKETS)
+        self.tpot = h(
+            "request_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (output tokens - 1).",
+            ITL_BUCKETS,
+        )
+        self.queue_time = h("request_queue_time_seconds", "Queued to admitted.", REQUEST_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "Queued to last token.", REQUEST_BUCKETS)
+        self.iteration_tokens = h(
+            "iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS
+        )
+        self.step_seconds = h(
+            "step_duration_seconds", "Engine step, schedule to tokens read (t1 - t0).", ITL_BUCKETS
+        )
+        self.stall = h(
+            "decode_stall_seconds",
+            "Token gaps during which at least one engine step ran without the request.",
+            ITL_BUCKETS,
+        )
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)  # type: ignore[arg-type]  # a collector: `collect()`
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families, for the registry (any thread)."""
+        lab = [self._model]
+        for g in (self.running, self.waiting, self.kv_usage):
+            fam = GaugeMetricFamily(PREFIX + g.name, g.doc, labels=["model_name"])
+            fam.add_metric(lab, g.value)
+            yield fam
+        counters = (self.prefix_queries, self.prefix_hits, self.prompt_tokens,
+                    self.generation_tokens, self.preemptions)  # fmt: skip
+        for k in counters:
+            fam = CounterMetricFamily(PREFIX + k.name, k.doc, labels=["model_name"])
+            fam.add_metric(lab, k.value)
+            yield fam
+        some = next(iter(self.success.values()))
+        fam = CounterMetricFamily(
+            PREFIX + some.name, some.doc, labels=["model_name", "finished_reason"]
+        )
+        for reason, k in self.success.items():
+            fam.add_metric([self._model, reason], k.value)
+        yield fam
+        hists = (self.ttft, self.itl, self.tpot, self.queue_time, self.e2e,
+                 self.iteration_tokens, self.step_seconds, self.stall)  # fmt: skip
+        for h in hists:
+            counts, total = list(h.counts), h.sum  # a snapshot
+            cum, buckets = 0, []
+            for bound, n in zip((*h.bounds, math.inf), counts, strict=True):
+                cum += n
+                buckets.append(("+Inf" if math.isinf(bound) else floatToGoString(bound), cum))
+            fam = HistogramMetricFamily(PREFIX + h.name, h.doc, labels=["model_name"])
+            fam.add_metric(lab, buckets, sum_value=total)
+            yield fam
+
+    # -- the sink (publisher thread) -----------------------------------------------------
+    def __call__(self, msg: Message, _text: str = "") -> None:
+        kind = msg.get("type")
+        if kind == "token":
+            self._token(msg)
+        elif kind == "step":
+            self._step(msg)
+        elif kind == "request":
+            self._request(msg)
+
+    def mark_stop(self, uid: int) -> None:
+        """The API is aborting `uid` because a stop string matched: it ends as `stop`."""
+        with self._lock:
+            if uid in self._live:  # not if its end was folded already (nothing would remove it)
+                self._stopped.add(uid)
+
+    def set_kv(self, used: int, total: int) -> None:
+        """Refresh the KV gauge from a live reading (steps only report it while they run)."""
+        self.kv_usage.set(used / total if total else 0.0)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _step(self, msg: Message) -> None:
+        self._steps += 1
+        self.iteration_tokens.observe(sum(i["end"] - i["start"] for i in msg["items"]))
+        self.step_seconds.observe(msg["t1"] - msg["t0"])
+        kv = msg["kv"]
+        self.set_kv(kv["used"], kv["total"])
+
+    def _token(self, msg: Message) -> None:
+        self.generation_tokens.inc()
+        r = self._live.get(msg["uid"])
+        if r is None:
+            return
+        t = msg["t"]
+        if r.t_last is not None:
+            gap = t - r.t_last
+            self.itl.observe(gap)
+            if self._steps - r.step_at_last > 1:  # a step between the two went without it
+                self.stall.observe(gap)
+        else:
+            r.t_first = t
+            self.ttft.observe(t - r.t_queued)
+        r.t_last = t
+        r.tokens += 1
+        r.step_at_last = self._steps
+
+    def _request(self, msg: Message) -> None:
+        uid, event, t = msg["uid"], msg["event"], msg["t"]
+        if event == "queued":
+            self._live[uid] = _Live(t, int(msg.get("prompt_len", 0)))
+            self._gauges()
+            return
+        r = self._live.get(uid)
+        if r is None:
+            return
+        if event == "admitted":
+            r.state = "running"
+            self._running += 1
+            self.queue_time.observe(t - r.t_queued)
+            self.prefix_queries.inc(r.prompt_len)
+            self.prefix_hits.inc(int(msg.get("cached_len", 0)))
+            self._gauges()
+        elif event == "first_token":
+            self.prompt_tokens.inc(r.prompt_len)
+        elif event in ("finished", "aborted", "rejected"):
+            del self._live[uid]
+            self._running -= r.state == "running"
+            with self._lock:
+                stopped = uid in self._stopped
+                self._stopped.discard(uid)
+            if event == "finished" or stopped:
+                reason = "length" if msg.get("finish_reason") == "length" else "stop"
+                self._ended(r, reason)
+            elif event == "aborted":
+                self.success["abort"].inc()
+            self._gauges()
+
+    def _ended(self, r: _Live, reason: str) -> None:
+        self.success[reason].inc()
+        if r.t_last is not None:
+            self.e2e.observe(r.t_last - r.t_queued)
+        if r.t_first is not None and r.t_last is not None and r.tokens > 1:
+            self.tpot.observe((r.t_last - r.t_first) / (r.tokens - 1))
+
+    def _gauges(self) -> None:
+        self.running.set(self._running)
+        self.waiting.set(len(self._live) - self._running)

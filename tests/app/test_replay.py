@@ -1,0 +1,389 @@
+"""Replay, compare and sweep in the page: a recording folded through the same store as live draws
+the same figures; the cursor seeks, plays and rewinds; two runs compare on aligned axes; a sweep
+folder's points name their runs. AppTest renders the page from a replay; a browser opens a
+recording through the sidebar, scrubs, and opens the second run of a comparison."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from app import compare, figures, sweep_view
+from app.replay import MAX_SPEED, Recording, ReplayLink, ReplaySource
+from app.state import EventStore
+from instrumentation.fold import summarize
+from instrumentation.sweep import RunTrace, SweepRow, summary_row, write_summary
+from instrumentation.trace import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = str(ROOT / "app" / "main.py")
+
+
+# ---- recordings: two runs of one workload on the tiny model -------------------------------------
+
+
+def _record(llm: object, policy: str, path: Path) -> EventStore:
+    """Run a small workload under `policy`, writing its trace; returns a store fed live (each
+    message as it is produced, as the page's connection feeds it)."""
+    from engine.bench import run_arrivals
+    from engine.workload import Arrival
+
+    llm.set_config(max_extend_tokens=16, policy=policy)  # type: ignore[attr-defined]
+    arrivals = [Arrival(0.0, 40, 10), Arrival(0.0, 12, 14), Arrival(0.02, 70, 6),
+                Arrival(0.05, 24, 9), Arrival(0.3, 33, 5)]  # fmt: skip
+    prompts = [[1000 + 7 * i + j for j in range(a.prompt_len)] for i, a in enumerate(arrivals)]
+    trace = RunTrace(path, llm.info.to_dict(), llm.config_dict(), llm.now())  # type: ignore[attr-defined]
+    live = EventStore()
+    live.apply(_header(trace, path))  # the same hello the file starts with
+
+    def tee(event: object) -> None:
+        msg = event.to_dict()  # type: ignore[attr-defined]
+        trace(msg)  # numbers it (seq) and writes it
+        live.apply(msg)
+
+    llm.add_event_hook(tee)  # type: ignore[attr-defined]
+    try:
+        run_arrivals(llm, arrivals, prompts)  # type: ignore[arg-type]
+    finally:
+        llm._event_hooks.remove(tee)  # type: ignore[attr-defined]
+        trace.close()
+    return live
+
+
+def _header(trace: RunTrace, path: Path) -> dict:
+    trace.writer._file.flush()
+    return json.loads(path.read_text().splitlines()[0])
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from engine.llm import LLM
+
+    out = tmp_path_factory.mktemp("runs")
+    llm = LLM(str(tiny_llama_dir), device="cpu", cache_type="naive", progress=False)
+    a = _record(llm, "prefill_first", out / "prefill_first-16.jsonl")
+    b = _record(llm, "mixed", out / "mixed-16.jsonl")
+    rows = [
+        sweep_row("prefill_first", out / "prefill_first-16.jsonl"),
+        sweep_row("mixed", out / "mixed-16.jsonl"),
+    ]
+    write_summary(out / "summary.csv", rows)
+    return {"dir": out, "a": out / "prefill_first-16.jsonl", "b": out / "mixed-16.jsonl",
+            "live_a": a, "live_b": b}  # fmt: skip
+
+
+def sweep_row(policy: str, path: Path) -> SweepRow:
+    return summary_row(policy, 16, read_jsonl(path))
+
+
+def _figures(snap: object) -> dict[str, str]:
+    s = snap  # a Snapshot
+    return {
+        "timeline": figures.timeline_figure(s.steps, s.requests, x="step").to_json(),
+        "timeline_t": figures.timeline_figure(s.steps, s.requests, x="time").to_json(),
+        "batch": figures.batch_figure(s.steps, s.requests).to_json(),
+        "lanes": figures.lanes_figure(s.steps, s.requests).to_json(),
+        "kv": figures.kv_figure(s.steps, s.page_size, "step", whole_pool=False).to_json(),
+        "progress": figures.decode_progress_figure(s.steps, s.requests).to_json(),
+        "itl": figures.itl_figure(s.steps, s.requests).to_json(),
+    }
+
+
+# ---- the fold: replay draws what live drew ------------------------------------------------------
+
+
+def test_replay_fed_store_draws_the_same_figures_as_the_live_fed_one(runs: dict) -> None:
+    for side in ("a", "b"):
+        source = ReplaySource(Recording.load(runs[side]), threaded=False)
+        source.seek_end()
+        live, replayed = runs[f"live_{side}"].snapshot(), source.store.snapshot()
+        assert replayed.steps == live.steps and replayed.requests == live.requests
+        assert replayed.engine == live.engine and replayed.config == live.config
+        assert _figures(replayed) == _figures(live)
+
+
+def test_seek_shows_the_recording_as_it_stood_at_that_step(runs: dict) -> None:
+    rec = Recording.load(runs["a"])
+    msgs = rec.messages
+    source = ReplaySource(rec, threaded=False)
+    mid = rec.step_numbers[len(rec.step_numbers) // 2]
+    source.seek(mid)
+    assert source.current_step == mid
+    # the same as a store fed every message up to the next step message
+    upto = EventStore()
+    nxt = next(i for i, m in enumerate(msgs) if m["type"] == "step" and m["step"] > mid)
+    for m in msgs[:nxt]:
+        upto.apply(m)
+    assert source.store.snapshot().steps == upto.snapshot().steps
+    assert source.store.snapshot().requests == upto.snapshot().requests
+    assert source.store.snapshot().steps[-1]["step"] == mid
+    # backwards: the store is rewound, and a view's cursor from before gets a reset
+    cursor = source.store.delta(None).cursor
+    source.seek(rec.first_step)
+    assert source.current_step == rec.first_step and len(source.store.snapshot().steps) == 1
+    assert source.store.delta(cursor).reset
+    # forwards again to the end: the whole recording
+    source.seek(rec.last_step)
+    assert source.at_end
+    assert source.store.snapshot().requests == runs["live_a"].snapshot().requests
+
+
+def test_play_follows_the_recordings_clock_at_the_speed_asked(runs: dict) -> None:
+    rec = Recording.load(runs["a"])
+    now = [100.0]
+    source = ReplaySource(rec, clock=lambda: now[0], threaded=False)
+    source.seek(rec.first_step)
+    t_start = source.current_time
+    source.play(speed=10)
+    assert source.tick() == 0  # no time passed
+    span = rec.times[-1] - t_start
+    now[0] += span / 10 / 2  # half the remaining recording, at 10x
+    source.tick()
+    assert source.playing and not source.at_end
+    reached = source.current_time - t_start
+    # every message up to half-way is folded, none after: the time of the last one at or before
+    # it (how close that is to half-way depends on how far apart the recorded steps were)
+    half = t_start + span / 2
+    assert source.current_time == max(t for t in rec.times if t <= half + 1e-9)
+    assert reached <= 0.5 * span + 1e-9 and all(t > half for t in rec.times[source._pos :])
+    source.pause()
+    now[0] += 1000.0
+    assert source.tick() == 0 and source.current_time - t_start == reached  # paused: stays
+    with pytest.raises(ValueError):
+        source.set_speed(MAX_SPEED * 2)
+    source.play(speed=MAX_SPEED)
+    now[0] += span  # far past the end
+    source.tick()
+    assert source.at_end and not source.playing
+
+
+def test_a_replay_link_refuses_commands(runs: dict) -> None:
+    from app.client import NotConnected
+
+    link = ReplayLink(ReplaySource(Recording.load(runs["a"]), threaded=False))
+    assert link.status().state == "connected" and link.url.startswith("replay:")
+    with pytest.raises(NotConnected):
+        link.send({"type": "submit", "prompt": "x"})
+
+
+def test_a_page_download_replays_like_the_server_trace(runs: dict, tmp_path: Path) -> None:
+    """The page's Trace (JSONL) download is the store's log: hellos included."""
+    from app.export import jsonl_bytes
+
+    path = tmp_path / "download.jsonl"
+    path.write_bytes(jsonl_bytes(runs["live_a"].log()))
+    source = ReplaySource(Recording.load(path), threaded=False)
+    source.seek_end()
+    assert source.store.snapshot().steps == runs["live_a"].snapshot().steps
+
+
+# ---- compare and sweep --------------------------------------------------------------------------
+
+
+def test_compare_aligns_the_axes_and_tabulates_the_difference(runs: dict) -> None:
+    a, b = compare.side(Recording.load(runs["a"])), compare.side(Recording.load(runs["b"]))
+    assert a.steps[0]["t0"] == 0 and b.steps[0]["t0"] == 0 and a.steps[0]["step"] == 0
+    fa, fb = compare.timelines(a, b, x="time")
+    assert fa.layout.xaxis.range == fb.layout.xaxis.range
+    assert fa.layout.yaxis.range == fb.layout.yaxis.range
+    hi = max(a.steps[-1]["t1"], b.steps[-1]["t1"])
+    assert fa.layout.xaxis.range[1] == pytest.approx(hi)
+    rows = {r["metric"]: r for r in compare.table(a, b)}
+    sa = summarize(Recording.load(runs["a"]).messages)
+    sb = summarize(Recording.load(runs["b"]).messages)
+    assert rows["ITL p99 (s)"]["A"] == sa.itl_p99_s and rows["ITL p99 (s)"]["B"] == sb.itl_p99_s
+    assert rows["ITL p99 (s)"]["B − A"] == pytest.approx(sb.itl_p99_s - sa.itl_p99_s)
+    assert rows["worst stall (s)"]["B"] is None  # mixed: no stall, so no difference either
+    assert rows["worst stall (s)"]["B − A"] is None
+    assert rows["requests"]["A"] == rows["requests"]["B"] == 5
+
+
+def test_sweep_folder_points_name_their_runs(runs: dict) -> None:
+    sweep = sweep_view.load(runs["dir"])
+    assert set(sweep.runs) == {"prefill_first-16.jsonl", "mixed-16.jsonl"}
+    fig = sweep_view.figure(sweep)
+    names = {t.name: t.customdata[0][0] for t in fig.data}
+    assert names == {"prefill_first": "prefill_first-16.jsonl", "mixed": "mixed-16.jsonl"}
+    # what st.plotly_chart(on_select=...) reports for a click on the mixed point
+    event = {"selection": {"points": [{"curve_number": 0, "customdata": ["mixed-16.jsonl",
+                                                                        "mixed", 16]}]}}  # fmt: skip
+    assert sweep_view.selected_run(sweep, event) == runs["b"]
+    assert sweep_view.selected_run(sweep, {"selection": {"points": []}}) is None
+    with pytest.raises(ValueError):
+        sweep_view.load(runs["dir"] / "nowhere")
+
+
+# ---- the page (AppTest): the views render the same figures from a replay as from live -----------
+
+
+@pytest.fixture
+def replay_app(runs: dict, monkeypatch: pytest.MonkeyPatch) -> Iterator[AppTest]:
+    monkeypatch.setenv("STEPSCOPE_URL", "ws://127.0.0.1:9")  # never contacted while replaying
+    monkeypatch.setenv("STEPSCOPE_AUTOSTART", "0")
+    monkeypatch.setenv("STEPSCOPE_CHARTS", "classic")  # figures built in Python: comparable
+    monkeypatch.setenv("STEPSCOPE_TRACE", str(runs["a"]))
+    at = AppTest.from_file(APP, default_timeout=60)
+    yield at
+    st.cache_resource.clear()
+
+
+def _spec(at: AppTest, i: int = 0) -> dict:
+    return json.loads(at.get("plotly_chart")[i].proto.spec)
+
+
+def _same(spec: dict, fig_json: str) -> bool:
+    want = json.loads(fig_json)
+    return spec["data"] == want["data"] and spec["layout"] == want["layout"]
+
+
+def test_the_page_replays_a_trace_with_the_live_figures(replay_app: AppTest, runs: dict) -> None:
+    at = replay_app.run()
+    assert not at.exception, at.exception
+    assert any("replaying" in m.value for m in at.sidebar.markdown)
+    live = runs["live_a"].snapshot(last_steps=500)  # the page's default window
+    want = {
+        "Timeline": [figures.timeline_figure(live.steps, live.requests, x="step").to_json()],
+        "KV cache": [
+            figures.kv_figure(live.steps, live.page_size, "step", whole_pool=False).to_json()
+        ],  # fmt: skip
+        "Latency": [
+            figures.decode_progress_figure(live.steps, live.requests).to_json(),
+            figures.itl_figure(live.steps, live.requests).to_json(),
+        ],  # fmt: skip
+    }
+    for tab, figs in want.items():
+        at.session_state["tab"] = tab
+        at.run()
+        assert not at.exception, at.exception
+        assert len(at.get("plotly_chart")) == len(figs), tab
+        for i, fig in enumerate(figs):
+            assert _same(_spec(at, i), fig), tab
+    # the scrubber: step back to the first step and the timeline shows only that step
+    rec = Recording.load(runs["a"])
+    at.session_state["tab"] = "Timeline"
+    at.slider(key="replay_step").set_value(rec.first_step).run()
+    assert not at.exception, at.exception
+    first = EventStore()
+    for m in rec.messages[: rec.end_of_step(rec.first_step)]:
+        first.apply(m)
+    snap = first.snapshot(last_steps=500)
+    assert _same(_spec(at), figures.timeline_figure(snap.steps, snap.requests).to_json())
+
+
+def test_the_page_plays_the_recording_from_its_start(replay_app: AppTest, runs: dict) -> None:
+    at = replay_app.run()
+    at.select_slider(key="replay_speed").set_value(50).run()
+    at.button(key="replay_play").click().run()  # at the end: play starts again from step one
+    assert not at.exception, at.exception
+    source = at.session_state["replay_source"]
+    assert source.speed == 50
+    deadline = time.monotonic() + 60
+    while not source.at_end and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert source.at_end and not source.playing
+    assert source.store.snapshot().steps == runs["live_a"].snapshot().steps
+
+
+def test_the_page_compares_and_opens_the_second_run(replay_app: AppTest, runs: dict) -> None:
+    at = replay_app.run()
+    at.text_input(key="compare_path").set_value(str(runs["b"])).run()
+    assert not at.exception, at.exception
+    assert any("Compare" in m.value for m in at.markdown)
+    table = at.dataframe[0].value
+    assert list(table["metric"])[:4] == ["TTFT p50 (s)", "TTFT p99 (s)", "ITL p50 (s)",
+                                         "ITL p99 (s)"]  # fmt: skip
+    at.button(key="compare_open_b").click().run()
+    assert not at.exception, at.exception
+    assert any("mixed-16.jsonl" in m.value for m in at.sidebar.markdown)
+
+
+def test_the_page_opens_a_sweep_folder(replay_app: AppTest, runs: dict) -> None:
+    at = replay_app.run()
+    at.text_input(key="sweep_path").set_value(str(runs["dir"])).run()
+    assert not at.exception, at.exception
+    assert any("Sweep" in m.value for m in at.markdown)
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    curve = next(s for s in specs if "ITL p99" in json.dumps(s["layout"]))
+    assert {t["name"] for t in curve["data"]} == {"prefill_first", "mixed"}
+
+
+# ---- a real browser ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def replay_page(runs: dict) -> Iterator[str]:
+    """The page with nothing answering at its URL, no autostart: recordings are opened in it."""
+    from tests.app.test_browser import free_port, running_app
+
+    with running_app(f"ws://127.0.0.1:{free_port()}") as url:
+        yield url
+
+
+@pytest.mark.browser
+def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_path: Path) -> None:
+    from tests.app.test_browser import CHROMIUM, CHROMIUM_ARGS, act_until
+
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed at /usr/bin/chromium")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    expect, sync_playwright = sync_api.expect, sync_api.sync_playwright
+    rec = Recording.load(runs["a"])
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1400})
+            page.set_default_timeout(90_000)
+            expect.set_options(timeout=90_000)
+            page.goto(replay_page)
+            box = page.locator(".st-key-replay_path input")
+            box.fill(str(runs["a"]))
+            box.press("Enter")
+            expect(page.get_by_text("replaying")).to_be_visible()
+            caption = page.get_by_text(f"step {rec.last_step} of")
+            expect(caption).to_be_visible()
+            # scrub: the slider (a range input), keyboard Home = the first step. A key press can
+            # be lost to a rerun (seen on a loaded CI run: the slider at 0, the caption still at
+            # the last step), and pressing Home again on a slider at 0 changes nothing; so each
+            # try starts at the end (End), then moves, and ends where it says from anywhere
+            thumb = page.locator(".st-key-replay_step input[type='range']")
+
+            def keys(*names: str) -> None:
+                thumb.focus()
+                for name in ("End", *names):
+                    thumb.press(name)
+
+            act_until(lambda: keys("Home"), page.get_by_text(f"step {rec.first_step} of"))
+            second = page.get_by_text(f"step {rec.first_step + 2} of")
+            act_until(lambda: keys("Home", "ArrowRight", "ArrowRight"), second)
+            # compare with the second run, then open it in the page
+            page.get_by_text("Compare with…").click()
+            other = page.locator(".st-key-compare_path input")
+            heading = page.get_by_role("heading", name="Compare")
+
+            def enter_b() -> None:
+                # a commit lost to a rerun leaves the box "clean" with B in it: clear it first so
+                # that the next Enter is a change again
+                if other.input_value():
+                    other.fill("")
+                    other.press("Enter")
+                other.fill(str(runs["b"]))
+                other.press("Enter")
+
+            act_until(enter_b, heading, again=lambda: heading.count() == 0)
+            open_b = page.get_by_role("button", name="Open B (mixed-16.jsonl) in the page")
+            # the page now replays B: the sidebar names it, and the scrubber is at its end
+            replaying = page.locator("[data-testid='stSidebar'] code", has_text="mixed-16.jsonl")
+            act_until(open_b.click, replaying, again=lambda: open_b.count() == 1)
+            last_b = Recording.load(runs["b"]).last_step
+            expect(page.get_by_text(f"step {last_b} of").first).to_be_visible()
+            shot = tmp_path / "replay.png"
+            page.screenshot(path=str(shot))
+            assert shot.stat().st_size > 10_000
+        finally:
+            browser.close()
