@@ -5,7 +5,8 @@
 - inter_token_latency_seconds (ITL): the gaps between consecutive output tokens.
 - time_per_output_token_seconds (TPOT): (last token - first token) / (output tokens - 1).
 - e2e_request_latency_seconds: queued until the last output token.
-- max_stall_seconds: the longest ITL, i.e. the worst wait for a next token.
+- max_stall_seconds: the longest *stall* (docs/protocol.md): a gap between two of the request's
+  tokens during which at least one step ran without it. `stalled_between` is that rule, once.
 """
 
 from __future__ import annotations
@@ -38,3 +39,20 @@ def percentile(values: list[float], q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def stalled_between(step_a: int, step_b: int) -> bool:
+    """The protocol's stall rule: a request that sampled tokens in steps numbered `step_a` and
+    `step_b` (step_a < step_b) stalled between them iff a step ran in between without it."""
+    return step_b - step_a > 1
+
+
+def max_stall(token_times: list[float], token_steps: list[int]) -> float | None:
+    """The longest stall of one request: its tokens' times and the numbers of the steps that
+    sampled them (same length); None when it never stalled."""
+    worst: float | None = None
+    for i in range(1, min(len(token_times), len(token_steps))):
+        if stalled_between(token_steps[i - 1], token_steps[i]):
+            gap = token_times[i] - token_times[i - 1]
+            worst = gap if worst is None or gap > worst else worst
+    return worst
