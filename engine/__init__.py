@@ -1,7 +1,7 @@
 """stepscope's inference engine: paged KV cache, radix prefix cache, chunked prefill.
 
 `from engine import LLM, SamplingParams`. Both are imported lazily, so torch-free modules such as
-`engine.records` can be used without loading torch.
+`instrumentation.records` can be used without loading torch.
 """
 
 from __future__ import annotations

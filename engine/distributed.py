@@ -39,9 +39,9 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.parallel import TPRank, head_shard
-from engine.records import RankTiming
 from engine.runner import RankTimes, StepPlan
 from instrumentation.errors import EngineError, InvalidRequest
+from instrumentation.records import RankTiming
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,14 @@ from engine.kvcache.radix import RadixCache
 from engine.kvcache.table import PageTable
 from engine.models.loader import build_model, load_tokenizer, read_config, resolve
 from engine.models.parallel import SINGLE
-from engine.records import (
+from engine.request import Req, RequestState
+from engine.runner import Launched, ModelRunner
+from engine.scheduler.batch import Batch
+from engine.scheduler.policy import POLICIES, SchedulePolicy
+from engine.scheduler.scheduler import Scheduler
+from instrumentation.errors import InvalidRequest, NotFound, TooLarge
+from instrumentation.metrics import request_metrics
+from instrumentation.records import (
     EngineEvent,
     KVStats,
     QueueStats,
@@ -36,13 +43,6 @@ from engine.records import (
     StepRecord,
     TokenEvent,
 )
-from engine.request import Req, RequestState
-from engine.runner import Launched, ModelRunner
-from engine.scheduler.batch import Batch
-from engine.scheduler.policy import POLICIES, SchedulePolicy
-from engine.scheduler.scheduler import Scheduler
-from instrumentation.errors import InvalidRequest, NotFound, TooLarge
-from instrumentation.metrics import request_metrics
 from instrumentation.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -29,10 +29,10 @@ from engine.kvcache.pool import KVPool
 from engine.kvcache.table import PageTable
 from engine.kvcache.table_sync import Span, TableSync, apply_updates
 from engine.models.llama import CausalLM
-from engine.records import RankTiming
 from engine.request import Req, RequestState
 from engine.sampling import sample_tokens
 from engine.scheduler.batch import Batch
+from instrumentation.records import RankTiming
 
 if TYPE_CHECKING:
     from engine.distributed import Leader

@@ -1,6 +1,6 @@
 """Server → client messages that are not engine events: hello, accepted, error, config, stats.
 
-Engine events (step, token, request) come from `engine.records`; this module builds the rest of
+Engine events (step, token, request) come from `instrumentation.records`; this module builds the rest of
 PROTOCOL.md's server messages so every reply has one definition.
 """
 

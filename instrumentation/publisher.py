@@ -33,7 +33,7 @@ Message = dict[str, Any]
 
 
 class Record(Protocol):
-    """An engine record (engine.records): its `to_dict()` is the protocol message."""
+    """An engine record (instrumentation.records): its `to_dict()` is the protocol message."""
 
     def to_dict(self) -> Message: ...
 

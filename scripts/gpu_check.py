@@ -58,7 +58,7 @@ from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from engine.kvcache.pool import KVPool  # noqa: E402
 from engine.models.kernels import DECODE_KERNELS, set_unfused  # noqa: E402
 from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf, resolve  # noqa: E402
-from engine.records import TokenEvent  # noqa: E402
+from instrumentation.records import TokenEvent  # noqa: E402
 from instrumentation.sampling import SamplingParams  # noqa: E402
 from tests.gpu.test_gpu import (  # noqa: E402
     TIE_NOISE,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.records import EngineEvent, RequestEvent, StepRecord, TokenEvent
+from instrumentation.records import EngineEvent, RequestEvent, StepRecord, TokenEvent
 
 LONG = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 3
 CHAPTER_PROMPTS = [LONG, "1 + 1 =", "The capital of France is"]

@@ -18,7 +18,7 @@ import torch
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.prefix import CacheHandle, PrefixCache
 from engine.kvcache.table import PageTable
-from engine.records import KVStats
+from instrumentation.records import KVStats
 
 
 def pages_for(tokens: int, page_size: int) -> int:

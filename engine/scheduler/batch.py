@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.records import ItemKind, Phase
 from engine.request import ChunkedReq, Req
+from instrumentation.records import ItemKind, Phase
 
 
 @dataclass(frozen=True, slots=True)

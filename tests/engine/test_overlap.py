@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.records import RequestEvent, StepRecord, TokenEvent
+from instrumentation.records import RequestEvent, StepRecord, TokenEvent
 from tests.engine.test_engine_exact import N_OUT, _check, _random_prompts
 from tests.helpers import Events, hf_greedy
 

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.records import StepRecord
 from instrumentation.errors import NotFound
+from instrumentation.records import StepRecord
 from tests.helpers import Events, SchedulerSim, hf_greedy
 
 

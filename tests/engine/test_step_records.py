@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.records import StepRecord
+from instrumentation.records import StepRecord
 from tests.helpers import Events
 
 

@@ -6,9 +6,16 @@ from typing import Any
 
 import pytest
 
-from engine.records import KVStats, QueueStats, RequestEvent, StepItem, StepRecord, TokenEvent
 from instrumentation import messages
 from instrumentation.recorder import Recorder
+from instrumentation.records import (
+    KVStats,
+    QueueStats,
+    RequestEvent,
+    StepItem,
+    StepRecord,
+    TokenEvent,
+)
 
 KV = KVStats(total=100, used=0, cached=0, free=100, reserved=0)
 

@@ -10,8 +10,15 @@ from typing import Any
 
 import pytest
 
-from engine.records import KVStats, QueueStats, RequestEvent, StepItem, StepRecord, TokenEvent
 from instrumentation import messages
+from instrumentation.records import (
+    KVStats,
+    QueueStats,
+    RequestEvent,
+    StepItem,
+    StepRecord,
+    TokenEvent,
+)
 from instrumentation.trace import TraceWriter, read_jsonl, to_chrome_trace
 
 ROOT = Path(__file__).resolve().parents[2]
