@@ -138,13 +138,19 @@ def build(llm: Any, args: Args) -> Server:
 def _http_api(llm: Any, args: Args) -> HttpApi | None:
     if getattr(args, "http_port", None) is None:
         return None
-    from engine.server.openai_api import build_http_api  # Starlette, only when it is on
+    from engine.server.openai_api import build_http_api  # prometheus-client, only when on
 
     return build_http_api(
         llm, host=args.host, port=args.http_port, token=args.token,
         allowed_origins=tuple(args.allow_origin or ()), max_waiting=args.max_waiting,
-        model_arg=str(args.model),
+        model_arg=str(args.model), app=_web_app,
     )  # fmt: skip
+
+
+def _web_app(api: HttpApi) -> Any:
+    from engine.server.openai_app import build_app  # Starlette, only when the API serves
+
+    return build_app(api)
 
 
 def serve(llm: Any, args: Args) -> int:
