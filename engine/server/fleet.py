@@ -169,23 +169,34 @@ class Fleet:
             self.procs.append(_Proc(f"replica {i}", cmd, env))
         for p in self.procs:
             p.wait_ready(READY_TIMEOUT_S)
-        gateway_url = None
-        if self.router_policy is not None:
-            gateway_url = f"http://{self.host}:{self.gateway_port}"
-            cmd = [self.python, "-m", "sglang_router.launch_router", "--backend", "sglang",
-                   "--host", self.host, "--port", str(self.gateway_port),
-                   "--policy", self.router_policy,
-                   "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
-                   "--log-level", "warn",
-                   "--worker-urls", *(p.http for p in self.procs if p.http)]  # fmt: skip
-            self.gateway = _Proc("gateway", cmd)
-            _wait_http(gateway_url + "/v1/models", 60, self.gateway)
+        gateway_url = self.start_gateway(self.router_policy) if self.router_policy else None
         self.info = FleetInfo(
             replicas=[Replica(p.name, p.ws or "", p.http or "", p.proc.pid) for p in self.procs],
             gateway=gateway_url,
             router_policy=self.router_policy,
         )
         return self.info
+
+    def start_gateway(self, policy: str) -> str:
+        """(Re)start the gateway in front of the replicas with `policy`; its URL."""
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"unknown router policy {policy!r}; one of {ROUTER_POLICIES}")
+        self.stop_gateway()
+        url = f"http://{self.host}:{self.gateway_port}"
+        cmd = [self.python, "-m", "sglang_router.launch_router", "--backend", "sglang",
+               "--host", self.host, "--port", str(self.gateway_port), "--policy", policy,
+               "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
+               "--log-level", "warn",
+               "--worker-urls", *(p.http for p in self.procs if p.http)]  # fmt: skip
+        self.gateway = _Proc("gateway", cmd)
+        _wait_http(url + "/v1/models", 60, self.gateway)
+        self.router_policy = policy
+        return url
+
+    def stop_gateway(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
 
     def dead(self) -> _Proc | None:
         for p in [*self.procs, *([self.gateway] if self.gateway else [])]:
@@ -194,8 +205,7 @@ class Fleet:
         return None
 
     def stop(self) -> None:
-        if self.gateway is not None:
-            self.gateway.stop()
+        self.stop_gateway()
         for p in self.procs:
             p.stop()
 
