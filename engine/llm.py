@@ -114,6 +114,10 @@ class LLM:
         # `t`: when it was read, so a client can order it against the events it received
         return {"t": self.now(), **self.kv.page_map(owners, sched.reserved_tokens()).to_dict()}
 
+    def flush_cache(self) -> int:
+        """Drop the prefix cache's unheld pages (engine thread, between steps); how many."""
+        return self.kv.flush_cache()
+
     def num_waiting(self) -> int:
         return self._inbox_submits + self.scheduler.num_waiting  # two counters: O(1)
 
