@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from instrumentation.errors import InvalidRequest
+from instrumentation.protocol import CACHE_TYPES, POLICY_NAMES
 
-POLICY_NAMES = ("prefill_first", "mixed")
-CACHE_TYPES = ("radix", "naive")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton")
 Device = Literal["cpu", "cuda", "auto"]
 

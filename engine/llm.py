@@ -243,7 +243,6 @@ class LLM:
         )
 
         self._lock = threading.Lock()
-        self._work = threading.Event()  # set when a command arrives, for an idle loop to wake
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_submits = 0  # the submits in _inbox, so num_waiting() needs no scan
         self._uids = itertools.count()
@@ -294,14 +293,6 @@ class LLM:
 
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work() or self._inflight is not None
-
-    def wait_for_work(self, timeout: float | None = None) -> bool:
-        """Block until a command arrives (or the timeout passes); True if there is work."""
-        if self.has_work():
-            return True
-        self._work.wait(timeout)
-        self._work.clear()
-        return self.has_work()
 
     def check_integrity(self) -> None:
         self.scheduler.check_counters()
@@ -357,6 +348,10 @@ class LLM:
         """fn sees every event in protocol order: at step start `queued` / `aborted` /
         `rejected`; after the forward the step record, its tokens, then its request events."""
         self._event_hooks.append(fn)
+
+    def remove_event_hook(self, fn: Callable[[EngineEvent], None]) -> None:
+        """Stop calling fn (added by `add_event_hook`); ValueError if it was not added."""
+        self._event_hooks.remove(fn)
 
     def add_wait_hook(self, fn: Callable[[], None]) -> None:
         """fn runs on the engine thread when it is about to wait for the device to finish a
@@ -458,7 +453,6 @@ class LLM:
                 self._collect[uid] = None
             self._inbox.append(("submit", (uid, ids, params, source)))
             self._inbox_submits += 1
-        self._work.set()
         return uid
 
     def abort(self, uid: int) -> None:
@@ -468,7 +462,6 @@ class LLM:
                 raise NotFound(f"no request with uid {uid} is in flight")
             self._aborting.add(uid)
             self._inbox.append(("abort", uid))
-        self._work.set()
 
     def set_config(
         self, max_extend_tokens: int | None = None, policy: str | None = None
@@ -597,7 +590,7 @@ class LLM:
                 # token is dropped, and its item is marked wasted
                 gone.add(req.uid)
                 continue
-            req.append_token(tok, t1)
+            req.append_token(tok, t1, self._step_no)
             post.append(TokenEvent(req.uid, t1, tok, st.detok.push(tok)))
             if len(st.output_ids) == 1:
                 req_events.append(RequestEvent(req.uid, "first_token", t1))
@@ -648,7 +641,7 @@ class LLM:
         return record
 
     def _metrics(self, st: RequestState) -> dict[str, Any]:
-        m = request_metrics(st.t_queued, st.t_admitted, st.token_times)
+        m = _request_metrics(st)
         m.pop("inter_token_latency_seconds")  # the token events carry those
         return m
 
@@ -667,7 +660,7 @@ class LLM:
             "finish_reason": st.finish_reason,
             "prompt_len": st.prompt_len,
             "cached_len": st.cached_len,
-            "metrics": request_metrics(st.t_queued, st.t_admitted, st.token_times),
+            "metrics": _request_metrics(st),
         }
 
     # -- offline -------------------------------------------------------------------------
@@ -697,3 +690,8 @@ class LLM:
             self.step()
         with self._lock:
             return [self._collect.pop(u) for u in uids]  # type: ignore[misc]
+
+
+def _request_metrics(st: RequestState) -> dict[str, Any]:
+    """The request's figures as instrumentation.metrics defines them, for every consumer."""
+    return request_metrics(st.t_queued, st.t_admitted, st.token_times, st.token_steps)

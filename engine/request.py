@@ -29,6 +29,7 @@ class RequestState:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)  # the step number of each token
     t_admitted: float | None = None
     cached_len: int = 0  # tokens served by the prefix cache at admission
     finish_reason: FinishReason | None = None
@@ -83,9 +84,11 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.state.prompt_ids + self.state.output_ids
 
-    def append_token(self, token_id: int, t: float) -> None:
+    def append_token(self, token_id: int, t: float, step: int) -> None:
+        """A token sampled by step number `step`, whose tokens were read at `t`."""
         self.state.output_ids.append(token_id)
         self.state.token_times.append(t)
+        self.state.token_steps.append(step)
 
 
 class ChunkedReq(Req):
@@ -95,7 +98,7 @@ class ChunkedReq(Req):
     def can_decode(self) -> bool:
         return False
 
-    def append_token(self, token_id: int, t: float) -> None:
+    def append_token(self, token_id: int, t: float, step: int) -> None:
         raise RuntimeError(
             "a ChunkedReq is never sampled: its logits belong to a mid-prompt position"
         )
