@@ -5,4 +5,5 @@ engine's model code, so a dashboard or notebook can reuse it. Import the submodu
 """
 
 PROTOCOL_VERSION = 1
-PROTOCOL_MINOR = 1  # v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged
+PROTOCOL_MINOR = 2  # v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged;
+# v1.2: `max_stall_seconds` is the protocol's stall everywhere, `max_itl_seconds` the longest gap
