@@ -157,20 +157,25 @@ class Headline:
     waiting: int
 
 
-def scope(summary: Summary) -> str:
-    """What a summary covers, in words: every step since the engine started (step 0 is in it),
-    or the window of steps in view."""
+def scope(summary: Summary, whole: bool | None = None) -> str:
+    """What a summary covers, in words: the whole recording (`whole`: the caller knows the steps
+    are all there is), the whole run (its steps start at the engine's step 0), or a window."""
     if not summary.steps or summary.first_step is None:
         return "no steps yet"
     span = f"steps {summary.first_step:,}–{summary.last_step:,}"
-    if summary.first_step == 0:
-        return f"the whole run: {span}"
+    if whole:
+        return f"the whole recording ({span})"
+    if whole is None and summary.first_step == 0:
+        return f"the whole run ({span})"
     return f"the {summary.steps:,} steps in view ({span})"
 
 
-def headline(steps: Sequence[Message], requests: Iterable[Message]) -> Headline:
-    """The metric row over the given steps and request records. `worst_stall` is None when no
-    request had a decode skipped between two of its tokens in these steps."""
+def headline(
+    steps: Sequence[Message], requests: Iterable[Message], whole: bool | None = None
+) -> Headline:
+    """The metric row over the given steps and request records; `whole` as for `scope`.
+    `worst_stall` is None when no request had a decode skipped between two of its tokens in
+    these steps."""
     s = summarize_steps(steps, requests)
     last = steps[-1] if steps else {}
     kv = last.get("kv") or {}
@@ -178,7 +183,7 @@ def headline(steps: Sequence[Message], requests: Iterable[Message]) -> Headline:
     queue = last.get("queue") or {}
     return Headline(
         summary=s,
-        scope=scope(s),
+        scope=scope(s, whole),
         tokens_per_s=s.output_tok_s,
         ttft_p50=s.ttft_p50_s,
         ttft_p99=s.ttft_p99_s,

@@ -98,10 +98,10 @@ def _memo_key(snap: Snapshot, *extra: object) -> tuple:
 # ---- metric row -------------------------------------------------------------------------------
 
 
-def metrics_row(snap: Snapshot) -> None:
+def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
     """The headline: the shared fold's Summary over the steps in `snap` (app.derive.headline),
-    with a caption that says which steps those are."""
-    h = headline(snap.steps, snap.requests)
+    with a caption that says which steps those are (`whole`: they are the whole recording)."""
+    h = headline(snap.steps, snap.requests, whole)
     external = aggregate.any_aggregate(snap.steps)
     if external:  # counts only: the engine's own rates, and no per-request facts
         h = aggregate.headline(snap.steps, h)

@@ -1,6 +1,6 @@
-"""Instrumentation: the protocol's messages, a bounded recorder, the WebSocket publisher, traces.
+"""Instrumentation: the protocol's messages, its one fold and metrics, the publisher, traces.
 
-Everything here speaks PROTOCOL.md messages (plain dicts) and imports neither torch nor the
+Everything here speaks docs/protocol.md messages (plain dicts) and imports neither torch nor the
 engine's model code, so a dashboard or notebook can reuse it. Import the submodules directly.
 """
 
