@@ -29,6 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from instrumentation.protocol import ENDED_STATES  # noqa: E402  (torch-free)
+
 
 def tiny_model(dst: Path) -> Path:
     """A tiny random-weight Llama with the SmolLM2 tokenizer (what the tests use)."""
@@ -200,7 +202,7 @@ class Soak:
             self.counts[f"error {m['code']}"] += 1
             if m["code"] == "capacity":
                 self.backoff = True
-        elif kind == "request" and m["event"] in ("finished", "aborted", "rejected"):
+        elif kind == "request" and m["event"] in ENDED_STATES:
             self.live.discard(m["uid"])
             self.ended.append(m["uid"])
             self.ended_set.add(m["uid"])

@@ -39,6 +39,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_server import random_submit  # noqa: E402  (the same random mix as its soak)
 
+from instrumentation.protocol import ENDED_STATES  # noqa: E402  (torch-free)
+
 
 def model_path(name: str, tmp: Path) -> str:
     if name != "tiny":
@@ -96,7 +98,7 @@ class Traffic:
                 self.live.add(m["uid"])  # its events may come before the reply
             if kind == "error" and m["code"] == "capacity":
                 self.backoff = True
-        elif kind == "request" and m["event"] in ("finished", "aborted", "rejected"):
+        elif kind == "request" and m["event"] in ENDED_STATES:
             self.live.discard(m["uid"])
             self.probe.discard(m["uid"])
             self.ended.add(m["uid"])

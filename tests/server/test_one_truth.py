@@ -192,11 +192,14 @@ def bucket_bounds(buckets: list[tuple[float, float]], q: float) -> tuple[float, 
     return bucket(lo_rank)[0], bucket(hi_rank)[1]
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir: Path) -> Any:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def llm(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Any:
+    """The synchronous engine, and the overlapped one (a step's tokens read while the next runs,
+    as on CUDA): each token's step number is its step record's either way."""
     from engine.llm import LLM
 
-    return LLM(str(tiny_llama_dir), cache_type="naive", max_extend_tokens=BUDGET, progress=False)
+    return LLM(str(tiny_llama_dir), cache_type="naive", max_extend_tokens=BUDGET,
+               overlap=request.param, progress=False)  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", ["prefill_first", "mixed"])
