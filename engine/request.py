@@ -4,8 +4,9 @@ only partly prefilled (`ChunkedReq`), with the per-request facts they share (`Re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from instrumentation.metrics import request_metrics
 from instrumentation.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +41,11 @@ class RequestState:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    def metrics(self) -> dict[str, Any]:
+        """Its figures as instrumentation.metrics defines them for every view (the stall from
+        its tokens' step numbers)."""
+        return request_metrics(self.t_queued, self.t_admitted, self.token_times, self.token_steps)
 
 
 @dataclass(eq=False)

@@ -69,22 +69,26 @@ def request_metrics(
     t_queued: float,
     t_admitted: float | None,
     token_times: Sequence[float],
-    token_steps: Sequence[int],
+    token_steps: Sequence[int] | None,
 ) -> dict[str, Any]:
     """One request's figures from its queue and admission times and its tokens' times and step
-    numbers; None where a figure is undefined (TPOT with one token, no stall, ...)."""
+    numbers; None where a figure is undefined (TPOT with one token, no stall, ...). A client that
+    sees the tokens but not the steps passes `token_steps=None`: it cannot tell a stall from a
+    slow step, so `max_stall_seconds` is left out rather than reported as none."""
     itl = gaps(token_times)
     first = token_times[0] if token_times else None
     last = token_times[-1] if token_times else None
-    return {
+    out = {
         "queue_time_seconds": None if t_admitted is None else t_admitted - t_queued,
         "time_to_first_token_seconds": None if first is None else first - t_queued,
         "inter_token_latency_seconds": itl,
         "time_per_output_token_seconds": (last - first) / len(itl) if itl else None,  # type: ignore[operator]
         "e2e_request_latency_seconds": None if last is None else last - t_queued,
         "max_itl_seconds": max(itl) if itl else None,
-        "max_stall_seconds": max_stall(token_times, token_steps),
     }
+    if token_steps is not None:
+        out["max_stall_seconds"] = max_stall(token_times, token_steps)
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
