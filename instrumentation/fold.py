@@ -1,9 +1,10 @@
 """The one fold of the protocol's message stream into steps and requests.
 
-Everything that reads the stream folds it here: the server's recorder (what a late client's
-`hello` carries), the dashboard's store, the trace export, the sweep's summary and the
-Prometheus metrics. So they agree on what a request's TTFT, inter-token latency and worst stall
-are. Pure Python, no torch: the dashboard imports it.
+Everything that reads the stream folds it here: the server's history (what a late client's
+`hello` carries), the dashboard's store, the trace export, the sweep's summary and the stall
+benchmark (`/metrics` keeps only counters, computed with the same instrumentation.metrics). So
+they agree on what a request's TTFT, inter-token latency and worst stall are. Pure Python, no
+torch: the dashboard imports it.
 
 Definitions (docs/protocol.md, "Metrics"; every figure is computed by instrumentation.metrics):
 - a request's token times are the `t` of its `token` messages (the producing step's `t1`), and
@@ -302,7 +303,8 @@ class Fold:
         if rec is None:  # its queued event predates what we saw; nothing to attach to
             return
         rec.token_times.append(msg["t"])
-        # a step's tokens follow its `step` message (docs/protocol.md), so this is its step
+        # a step's tokens follow its `step` message (docs/protocol.md), so this is its step;
+        # -1 only in a stream that is not the protocol's (tokens before any step)
         rec.token_steps.append(-1 if self._last_step is None else self._last_step)
         rec.t_last_token = msg["t"]
         rec.pieces.append(msg.get("text", ""))

@@ -2,7 +2,7 @@
 
 The engine thread hands over whole batches of messages with `publish()`, which never waits. The
 server thread numbers each broadcast (`seq`, protocol v1.1), serializes it once, gives it to the
-sinks (recorder, trace file) and appends the same string to every client's bounded queue. A client that stops reading loses its
+sinks (the history fold, trace file) and appends the same string to every client's bounded queue. A client that stops reading loses its
 oldest messages; once it has lost `drop_limit` of them without catching up, it is disconnected.
 """
 

@@ -4,7 +4,7 @@
     python scripts/bench_server.py soak [--model tiny] [--requests 2000] [--overlap]
 
 `overhead` runs the same workload on one engine, alternating rounds without and with the whole
-server stack (event hook, recorder, publisher thread, one connected client in another process
+server stack (event hook, history fold, publisher thread, one connected client in another process
 that reads and parses every message), and prints the step-time ratio. `soak` starts
 `python -m engine.server` and drives it over the WebSocket with random requests, budget and
 policy changes and aborts, then asks the server to check its page accounting.

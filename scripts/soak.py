@@ -11,7 +11,7 @@ flight). Every command carries an id, so replies are matched to what was sent.
 
 Checkpoints, after the first `--baseline` requests and at the end, each taken with the traffic
 drained: the server's resident memory (VmRSS from /proc), the size of the `hello` a new client
-gets (what the server's recorder keeps), and the step time of a fixed probe (the same shape of
+gets (what the server's history keeps), and the step time of a fixed probe (the same shape of
 work both times: 7 rounds of 24 fresh prompts of 64 tokens, 32 greedy tokens each, budget 256,
 mixed; the engine's own t1 - t0 per step, the median of each round, the best round compared).
 At the end, `stats`: integrity, no page held by a request, nothing reserved. Targets: RSS and step time within 10% of the baseline.
