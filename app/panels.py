@@ -154,7 +154,10 @@ def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
         delta_color="off",
         delta_arrow="off",
     )
-    st.caption(f"Tokens/s, TTFT, ITL and worst stall over {h.scope}.")
+    if external:
+        st.caption(f"Over {h.scope}; tokens/s and KV as the engine logged them.")
+    else:
+        st.caption(f"Tokens/s, TTFT, ITL and worst stall over {h.scope}.")
 
 
 def _last_step_note(last: Message) -> str:
