@@ -1,4 +1,5 @@
-"""Facts derived from recorded step messages: per-request tracks, token times, stalls, headline.
+"""The page's headline (its metric row) from recorded step messages: per-request tracks, token
+times and stalls. The charts' own view model is app/live/encode.py.
 
 Token times come from the steps (a `prefill` or `decode` item samples one token at the step's
 `t1`), not from `token` messages, so a reconnecting page that only has `hello.history` derives
@@ -9,9 +10,9 @@ sweep show the same numbers for the same steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -21,43 +22,6 @@ from instrumentation.metrics import stalled_between
 from instrumentation.protocol import SAMPLING_KINDS
 
 Message = dict[str, Any]
-XMode = Literal["step", "time"]
-
-
-@dataclass(frozen=True)
-class StepAxis:
-    """Where each recorded step sits on the x axis: step `i` spans `[lo[i], hi[i]]`."""
-
-    numbers: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    t0: np.ndarray
-    t1: np.ndarray
-    mode: XMode
-
-    @property
-    def mid(self) -> np.ndarray:
-        return (self.lo + self.hi) / 2
-
-    def __len__(self) -> int:
-        return len(self.numbers)
-
-    def x_at_time(self, t: float) -> float:
-        """The x where something that happened at engine time `t` can first show up."""
-        if self.mode == "time":
-            return float(t)
-        # A request queued during step s can be scheduled at s + 1 at the earliest.
-        i = int(np.searchsorted(self.t0, t, side="left"))
-        return float(self.lo[i]) if i < len(self) else float(self.hi[-1])
-
-
-def step_axis(steps: Sequence[Message], mode: XMode = "step") -> StepAxis:
-    numbers = np.fromiter((s["step"] for s in steps), dtype=np.int64, count=len(steps))
-    t0 = np.fromiter((s["t0"] for s in steps), dtype=np.float64, count=len(steps))
-    t1 = np.fromiter((s["t1"] for s in steps), dtype=np.float64, count=len(steps))
-    if mode == "time":
-        return StepAxis(numbers, t0, t1, t0, t1, mode)
-    return StepAxis(numbers, numbers - 0.45, numbers + 0.45, t0, t1, mode)
 
 
 @dataclass
@@ -97,15 +61,6 @@ def stalls(
     running = [uid for uid in all_tracks if requests.get(uid, {}).get("state") == "running"]
     sampled = {uid: t.token_steps for uid, t in all_tracks.items() if t.token_steps}
     return fold_stalls(steps, running, sampled)
-
-
-def stalled_per_step(num_steps: int, all_stalls: Iterable[Stall]) -> np.ndarray:
-    """How many requests were stalled in each step."""
-    diff = np.zeros(num_steps + 1, dtype=np.int64)
-    for s in all_stalls:
-        diff[s.first] += 1
-        diff[s.last + 1] -= 1
-    return np.cumsum(diff[:-1])
 
 
 @dataclass(frozen=True)
