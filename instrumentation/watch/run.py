@@ -29,6 +29,7 @@ LOG_SOURCES = ("sglang-log", "vllm-log")
 FPM_SOURCES = ("sglang-fpm", "vllm-fpm")
 KV_SOURCES = ("vllm-kv-events",)
 SOURCES = LOG_SOURCES + FPM_SOURCES + KV_SOURCES
+IDLE_S = 1.0  # a followed log quiet this long has finished the second its last steps were in
 
 
 @dataclass
@@ -100,13 +101,16 @@ class Watch:
             else:
                 reader = VllmLogReader(em.engine, em.status, em.now, dp_rank=cfg.dp_rank)
             pacer = _Pacer(cfg.pace) if cfg.pace else None
-            for line in read_lines(cfg.target, follow=cfg.follow, stop=self.stop):
-                steps = reader.feed(line)
+            lines = read_lines(cfg.target, follow=cfg.follow, stop=self.stop, idle_s=IDLE_S)
+            for line in lines:
+                # None: the log went quiet, so the steps held in their second are final
+                steps = reader.flush() if line is None else reader.feed(line)
                 if pacer is not None and steps and pacer.wait(steps[0], self.stop):
                     break
                 self._emit_steps(steps)
                 if self.stop.is_set():
                     break
+            self._emit_steps(reader.flush())  # the end of the input (or stopped): all are final
         elif cfg.source in FPM_SOURCES:
             fpm = FpmReader(cfg.source, em.engine, em.status, em.now)
             self._zmq(cfg.target, lambda frames: self._emit_steps(fpm.feed(frames)))
@@ -147,7 +151,7 @@ class _Pacer:
 
     def wait(self, step: AggregateStep, stop: threading.Event) -> bool:
         """True when stopped while waiting."""
-        if step.t_source != "log":
+        if step.t_source == "received":
             return stop.is_set()
         if self.first is None:
             self.first = step.t1
