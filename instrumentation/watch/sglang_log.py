@@ -51,6 +51,7 @@ STAMP = re.compile(
 )
 RANK = re.compile(r"([A-Z][A-Z_]*?)(\d+)$")
 
+
 # One table per format: field name -> pattern of its whole segment.
 def _graph(backend: str, used: str) -> tuple[str, bool]:
     return backend, flag(used)

@@ -85,7 +85,9 @@ ENGINE_INFO: dict[str, Field] = {
     "model": f(r"\bserved_model_name': \['([^']+)'", str),
     "max_model_len": f(r"\bUsing max model len (\d+)"),
     "max_num_batched_tokens": f(r"\bmax_num_batched_tokens=(\d+)"),
-    "kv_cache_tokens": f(r"\b[A-Z]+ KV cache size: ([\d,]+) tokens", lambda s: int(s.replace(",", ""))),
+    "kv_cache_tokens": f(
+        r"\b[A-Z]+ KV cache size: ([\d,]+) tokens", lambda s: int(s.replace(",", ""))
+    ),
     "num_gpu_blocks": f(r"\bnum_gpu_blocks is: (\d+)"),
 }
 
@@ -136,7 +138,9 @@ class VllmLogReader:
         duration = elapsed_ms / 1000.0 if elapsed_ms is not None else 0.0
         step = AggregateStep(
             source=SOURCE,
-            phase="mixed" if ctx_tokens and gen_requests else ("prefill" if ctx_tokens else "decode"),
+            phase="mixed"
+            if ctx_tokens and gen_requests
+            else ("prefill" if ctx_tokens else "decode"),
             t0=t1 - duration,
             t1=t1,
             t_source=t_source,  # type: ignore[arg-type]

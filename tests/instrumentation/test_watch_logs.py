@@ -268,7 +268,9 @@ def test_vllm_iteration_lines_become_steps(tmp_path: Path) -> None:
         assert s["prompt_tokens"] == 0 and s["dp_rank"] == 0 and s["t_source"] == "estimated"
     # Three steps logged in one second: spread inside it, in order, each its elapsed time long.
     assert [round(s["t1"] - s["t0"], 5) for s in steps] == [0.01099, 0.01095, 0.01079]
-    assert 0 < steps[0]["t1"] < steps[1]["t0"] < steps[1]["t1"] < steps[2]["t0"] < steps[2]["t1"] < 1
+    assert (
+        0 < steps[0]["t1"] < steps[1]["t0"] < steps[1]["t1"] < steps[2]["t0"] < steps[2]["t1"] < 1
+    )
 
 
 def test_vllm_other_lines_are_skipped_and_newer_fields_read() -> None:
