@@ -46,7 +46,7 @@ SHORT_PROMPTS = (
     "Write one sentence about a lighthouse keeper who collects old maps of the northern sea.",
     "List four vegetables that grow well in cold climates and explain why in a few words each.",
 )
-# About 1,100 tokens: three prefill chunks at --max-num-batched-tokens 512.
+# About 1,360 tokens: three prefill chunks at --max-num-batched-tokens 512.
 LONG_PROMPT = " ".join(
     f"Paragraph {i}: the river carried timber from the hills to the mill, and the miller kept a "
     f"ledger of every log, its length, its wood and the day it arrived."
@@ -138,8 +138,9 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> dict:
+    # ignore_eos: every request decodes its max_tokens (SmolLM2 may end a raw prompt at once)
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "vllm_xargs": HITS}  # fmt: skip
+            "temperature": 0.0, "ignore_eos": True, "vllm_xargs": HITS}  # fmt: skip
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -299,28 +300,34 @@ def record(out: Path, python: str, model_dir: str) -> None:
     log, frames = out / "vllm.log", out / "kv_events.frames"
     with running_vllm(python, model_dir, ports, log) as url:
         kv = f"tcp://127.0.0.1:{ports.kv}"
+        before = metrics(url)
         with running_watch("vllm-kv-events", kv, "--record-frames", str(frames)) as watch:
             time.sleep(1)  # the subscription is in place before the first batch
             send_load(url)
             time.sleep(2)
+            after = metrics(url)
             watch.proc.send_signal(signal.SIGTERM)
             watch.proc.wait(30)
         version = subprocess.run(
             [python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
         ).stdout.strip()
+    delta = {k: after[k] - before.get(k, 0.0) for k in sorted(after) if k.endswith("_total") or
+             k.endswith("_total[local_compute]") or k.endswith("_total[local_cache_hit]")}  # fmt: skip
+    (out / "metrics_delta.json").write_text(json.dumps(delta, indent=1, sort_keys=True) + "\n")
     command = shlex.join(vllm_command("python", "MODEL_DIR", ports))
     env = " ".join(f"{k}={v}" for k, v in VLLM_ENV.items())
     (out / "CAPTURE.md").write_text(
         f"# vLLM {version} on CPU, recorded for the watch's replay test\n\n"
-        f"Made by `python -m tests.instrumentation.test_watch_vllm_live --record {out.name}` on "
+        f"Made by `python -m tests.instrumentation.test_watch_vllm_live --record {out}` on "
         f"{time.strftime('%Y-%m-%d', time.gmtime())} (2 shared cores), with the KV-event frames "
         "kept by `python -m instrumentation.watch vllm-kv-events tcp://127.0.0.1:PORT "
         "--record-frames kv_events.frames`.\n\nvLLM was started as:\n\n"
         f"```\n{env} {command}\n```\n\n"
         "MODEL_DIR is the bundled SmolLM2-135M-Instruct converted to safetensors "
         "(`engine.models.loader.resolve('smollm2')`). The load: three short prompts at once "
-        "(8 tokens each), one long prompt of about 1,100 tokens (4 tokens), then the long prompt "
-        'again, all with `vllm_xargs: {"kv_cache_report_mode": "full"}`.\n'
+        "(8 tokens each), one long prompt of about 1,360 tokens (4 tokens), then the long prompt "
+        'again, all greedy with `ignore_eos` and `vllm_xargs: {"kv_cache_report_mode": "full"}`.'
+        " `metrics_delta.json`: vLLM's own /metrics counters, after the load minus before.\n"
     )
 
 
