@@ -64,16 +64,33 @@ class FoldedDetokenizer(IncrementalDetokenizer):
 engine.llm.IncrementalDetokenizer = FoldedDetokenizer  # type: ignore[misc]
 
 
+VARIANTS = {
+    # name: (piecewise graphs' max tokens, qkv epilogue warps, FlashInfer prefill split-KV)
+    "eager": (0, 4, True),  # the engine before issue 29
+    "piecewise": (4096, 4, True),
+    "piecewise-w1": (4096, 1, True),
+    "piecewise-w1-nosplit": (4096, 1, False),
+    "default": None,  # whatever the code defaults to
+}
+
+
 def set_variant(name: str) -> None:
-    if name == "eager":
-        ModelRunner.piecewise_max_tokens = 0
-    elif name == "piecewise":
-        ModelRunner.piecewise_max_tokens = DEFAULT_PIECEWISE
-    else:
-        raise SystemExit(f"unknown variant {name!r}")
+    from engine.attention.flashinfer_backend import FlashInferAttention
+    from engine.kernels import qkv
+
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}")
+    v = VARIANTS[name] or DEFAULTS
+    ModelRunner.piecewise_max_tokens, qkv.NUM_WARPS, FlashInferAttention.prefill_split_kv = v
 
 
-DEFAULT_PIECEWISE = getattr(ModelRunner, "piecewise_max_tokens", 0)
+def _defaults() -> tuple[int, int, bool]:
+    if DEVICE != "cuda":
+        return (0, 1, True)
+    from engine.attention.flashinfer_backend import FlashInferAttention
+    from engine.kernels import qkv
+
+    return ModelRunner.piecewise_max_tokens, qkv.NUM_WARPS, FlashInferAttention.prefill_split_kv
 
 
 def engine(model: str, **kw: Any) -> LLM:
@@ -434,8 +451,11 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}" if v < 100 else f"{v:.0f}"
 
 
+DEFAULTS: tuple[int, int, bool] = (0, 1, True)
+
+
 def main() -> None:
-    global DEVICE, LONG
+    global DEVICE, LONG, DEFAULTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", type=Path, required=True)
@@ -446,6 +466,7 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip sections past this")
     args = ap.parse_args()
     DEVICE, LONG = args.device, args.long
+    DEFAULTS = _defaults()
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     variants = args.variants.split(",")
@@ -480,7 +501,8 @@ def main() -> None:
             if time.monotonic() - t_start > args.deadline_s:
                 md.append(f"(skipped {section}/{variant}: past the deadline)")
                 continue
-            set_variant(variant)
+            if DEVICE == "cuda":
+                set_variant(variant)
             t = time.monotonic()
             if section == "profile":
                 chunk_and_mixed(args.model, out, variant, md)
