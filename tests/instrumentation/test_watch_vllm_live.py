@@ -288,6 +288,14 @@ def test_the_watch_reads_a_live_vllm_completely(tmp_path: Path) -> None:
         served = [m for m in watch.received if m["type"] != "hello"]
         assert [m for m in written if m["type"] != "hello"][: len(served)] == served
         assert any("watch: " in line for line in watch.stderr)  # the closing summary line
+    print(
+        f"\nlive vLLM: {len(lines)} iteration lines -> {len(steps)} steps, prompt tokens "
+        f"{sum(s['prompt_tokens'] for s in steps)} = /metrics local_compute {computed:.0f} "
+        f"(total {total:.0f} - cached {cached:.0f}); {len(kv)} KV batches, "
+        f"{sum(m['stored_blocks'] for m in kv)} blocks stored, "
+        f"{sum(m['reused_blocks'] for m in kv)} reused; traces after SIGTERM: "
+        f"{len(log_trace.read_text().splitlines())} and {len(kv_trace.read_text().splitlines())} lines"
+    )
 
 
 # ---- recording the CI capture ----
