@@ -135,14 +135,19 @@ def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
             help=what,
         )
     worst = "–" if external else "none" if h.worst_stall is None else _seconds(h.worst_stall)
+    notes = [] if h.worst_stall_uid is None else [f"request {h.worst_stall_uid}"]
+    if h.stalled_now:
+        notes.append(f"{h.stalled_now} stalled now, {_seconds(h.stalled_now_s)}")
     cols[3].metric(
         "worst stall",
         worst,
-        delta=None if h.worst_stall_uid is None else f"request {h.worst_stall_uid}",
+        delta=" · ".join(notes) or None,
         delta_color="red",
         delta_arrow="off",
         help="The longest stall: a gap between two of a request's tokens during which at "
-        "least one step ran without it (docs/protocol.md).",
+        "least one step ran without it (docs/protocol.md). Stalled now: running requests "
+        "left out of the steps since their last token; their wait becomes a stall when their "
+        "next token comes.",
     )
     kv = "–" if h.kv_used is None else f"{h.kv_used:.1%}"
     cached = None if h.kv_cached is None else f"+ {h.kv_cached:.1%} cached"
