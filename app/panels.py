@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app import aggregate, compare, controls, ranks, session, sweep_view
+from app import aggregate, compare, controls, external, ranks, session, sweep_view
 from app.client import EngineLink, NotConnected
 from app.derive import headline
 from app.kvmap import PageMapStore
@@ -135,14 +135,19 @@ def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
             help=what,
         )
     worst = "–" if external else "none" if h.worst_stall is None else _seconds(h.worst_stall)
+    notes = [] if h.worst_stall_uid is None else [f"request {h.worst_stall_uid}"]
+    if h.stalled_now:
+        notes.append(f"{h.stalled_now} stalled now, {_seconds(h.stalled_now_s)}")
     cols[3].metric(
         "worst stall",
         worst,
-        delta=None if h.worst_stall_uid is None else f"request {h.worst_stall_uid}",
+        delta=" · ".join(notes) or None,
         delta_color="red",
         delta_arrow="off",
         help="The longest stall: a gap between two of a request's tokens during which at "
-        "least one step ran without it (docs/protocol.md).",
+        "least one step ran without it (docs/protocol.md). Stalled now: running requests "
+        "left out of the steps since their last token; their wait becomes a stall when their "
+        "next token comes.",
     )
     kv = "–" if h.kv_used is None else f"{h.kv_used:.1%}"
     cached = None if h.kv_cached is None else f"+ {h.kv_cached:.1%} cached"
@@ -342,23 +347,39 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
 
 
 def external_charts(snap: Snapshot) -> None:
-    """An external engine's steps: aggregate composition, KV usage, queue, throughput."""
+    """An external engine's steps: one lane per data-parallel rank (a filter keeps one rank in
+    every figure), aggregate composition, KV usage, queue, throughput, and its KV events."""
     xmode = st.session_state.get("xmode", "step")
+    ranks_seen = external.dp_ranks(snap.steps, snap.kv_events)
+    rank = None
+    if len(ranks_seen) > 1:
+        choice = st.radio("Data-parallel rank", [external.ALL_RANKS, *ranks_seen],
+                          horizontal=True, key="dp_rank_filter")  # fmt: skip
+        rank = None if choice == external.ALL_RANKS else int(choice)
+    steps, kv = external.of_rank(snap.steps, rank), external.of_rank(snap.kv_events, rank)
+    for note in (external.time_note(steps), external.kv_gap_note(kv)):
+        if note:
+            st.caption(note)
+    chart("rank_lanes", _memo_key(snap, xmode, rank),
+          lambda: external.rank_lanes_figure(steps, xmode))  # fmt: skip
     st.caption(aggregate.NO_LANES_CAPTION)
     chart(
         "aggregate",
-        _memo_key(snap, xmode),
-        lambda: aggregate.aggregate_figure(snap.steps, xmode),
+        _memo_key(snap, xmode, rank),
+        lambda: aggregate.aggregate_figure(steps, xmode),
     )
-    if snap.kv_events:
+    if kv:
         st.markdown("**Prefix cache (KV events)**")
         st.caption(aggregate.KV_EVENTS_CAPTION)
-        last = snap.kv_events[-1].get("kv_seq")
+        last = kv[-1].get("kv_seq")
         chart(
             "kv_events",
-            _memo_key(snap, xmode, len(snap.kv_events), last),
-            lambda: aggregate.kv_events_figure(snap.kv_events, snap.steps, xmode),
+            _memo_key(snap, xmode, len(kv), last, rank),
+            lambda: aggregate.kv_events_figure(kv, steps, xmode),
         )
+        hits = external.kv_hit_rate_figure(kv)
+        if hits is not None:
+            chart("kv_hit_rate", _memo_key(snap, len(kv), last, rank), lambda: hits)
 
 
 def ranks_view(steps: Sequence[Message], engine: dict | None) -> None:

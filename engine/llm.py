@@ -164,6 +164,10 @@ class LLM:
         computes, instead of taking the GIL from the engine thread while it schedules."""
         self.hooks.wait.append(fn)
 
+    def remove_wait_hook(self, fn: Callable[[], None]) -> None:
+        """Stop calling fn (added by `add_wait_hook`); ValueError if it was not added."""
+        self.hooks.wait.remove(fn)
+
     # -- commands (any thread) -----------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         if isinstance(prompt, str):

@@ -428,8 +428,8 @@ def stall(model: str, out: dict[str, Any], variant: str, md: list[str]) -> None:
             llm.add_event_hook(tok)
             while llm.has_work():
                 llm.step()
-            llm._event_hooks.remove(hook)
-            llm._event_hooks.remove(tok)
+            llm.remove_event_hook(hook)
+            llm.remove_event_hook(tok)
             window = [
                 b - a
                 for ts in times.values()
