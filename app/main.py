@@ -25,7 +25,17 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import controls, external, fleet_ui, panels, replay_ui, session, sidebar, workloads  # noqa: E402
+from app import (  # noqa: E402
+    controls,
+    external,
+    fleet_replay_ui,
+    fleet_ui,
+    panels,
+    replay_ui,
+    session,
+    sidebar,
+    workloads,
+)
 from app.client import EngineLink, valid_url  # noqa: E402
 from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
@@ -273,6 +283,10 @@ def main() -> None:
     # Another tab may have changed the process's URL: show it here too.
     if st.session_state.get("url") != target.url:
         st.session_state["url"] = target.url
+    fleet_trace = fleet_replay_ui.sidebar()  # a fleet recording stands in for the fleet
+    if fleet_trace.folder is not None:
+        fleet_replay_ui.render(fleet_trace)
+        return
     fleet, fleet_problem = fleet_ui.spec_for(target.url, sys.argv[1:], os.environ)
     if fleet is not None or fleet_problem is not None:  # several engines: the fleet page
         sidebar.render(None, target)

@@ -1,0 +1,221 @@
+"""The fleet page over a fleet recording (Streamlit): the live fleet page's views, replayed.
+
+Open one with `streamlit run app/main.py -- --fleet-trace DIR`, STEPSCOPE_FLEET_TRACE=DIR, or the
+sidebar's "Fleet recording" (DIR: `python -m engine.server.fleet --trace-dir DIR`, one
+replica-<i>.jsonl per replica). Each replica's trace is replayed through its own
+app/replay.py `ReplaySource` and drawn through a `ReplayLink` with app/fleet_ui.py's views, every
+replica on the fleet's one clock (`clock_epoch`). One scrubber (a time on that clock) and one
+player move every replica together; the summary table covers each replica's whole recording;
+the controls and the prompt form are shown disabled, with the reason. "Compare with" a second
+fleet recording (the same workload under another gateway policy, say) adds a table of both
+fleets' figures, per replica and for the fleet, and their differences.
+
+Like the live fleet's connections, the open recording is one per app process: every tab shows
+the same replay at the same position.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from app import fleet_ui
+from app.fleet_replay import FLEET, FleetRecording, FleetReplay, compare_rows, trace_dir_from
+from app.live.component import LIVE_EVERY_S
+from app.live.component import live_charts as _live_charts
+from app.live.feed import ViewOptions
+from app.panels import _captions
+from app.replay import MAX_SPEED, MIN_SPEED
+
+SPEEDS = (1, 2, 5, 10, 20, 50)
+PLAY_REFRESH_S = 0.5
+REPLAY_WINDOW = 5_000  # steps each replica's charts keep: a recording is usually shown whole
+NO_ENGINE = "a replay has no engine to act on (clear the fleet recording to go back to engines)."
+assert MIN_SPEED == SPEEDS[0] and MAX_SPEED == SPEEDS[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    folder: str | None  # the fleet recording to replay
+    compare: str | None  # a second one to compare it with
+
+
+def _norm(folder: str) -> str:
+    return str(Path(folder).expanduser().resolve())
+
+
+@st.cache_resource(max_entries=4, show_spinner="Loading the fleet recording…")
+def load(folder: str) -> FleetRecording:
+    """A fleet recording, loaded once per app process (a ValueError is not kept)."""
+    return FleetRecording.load(folder)
+
+
+def _close(replay: FleetReplay) -> None:
+    replay.close()
+
+
+@st.cache_resource(max_entries=1, on_release=_close, show_spinner=False)
+def fleet_replay(folder: str) -> FleetReplay:
+    return FleetReplay(load(folder))
+
+
+@st.cache_resource(max_entries=1, show_spinner=False)
+def _shifted(folder: str) -> list[fleet_ui.ClockShift]:
+    """Each replica's replay store on the fleet's clock."""
+    replay = fleet_replay(folder)
+    out = []
+    for source, offset in zip(replay.sources, replay.fleet.offsets, strict=True):
+        shifted = fleet_ui.ClockShift(source.store)
+        shifted.offset = offset
+        out.append(shifted)
+    return out
+
+
+def sidebar() -> Opened:
+    """The sidebar's "Fleet recording": which fleet recording (if any) the page replays."""
+    given = trace_dir_from(sys.argv[1:], os.environ)
+    with st.sidebar:
+        st.subheader("Fleet recording")
+        typed = st.text_input(
+            "Open fleet recording",
+            key="fleet_trace_path",
+            placeholder="DIR of replica-<i>.jsonl" if not given else given,
+            help="A folder from `python -m engine.server.fleet --trace-dir DIR`: one trace per "
+            "replica, replayed side by side. Clear it to go back to the engines.",
+        ).strip()
+        folder = typed or given
+        compare = None
+        if folder:
+            compare = st.text_input(
+                "Compare with fleet recording",
+                key="fleet_compare_path",
+                placeholder="another --trace-dir DIR",
+                help="The same workload under another gateway policy, say: a table of both "
+                "fleets' figures and their differences.",
+            ).strip()
+    return Opened(_norm(folder) if folder else None, _norm(compare) if compare else None)
+
+
+# ---- the player -------------------------------------------------------------------------------
+
+
+def _player(folder: str, timed: bool) -> None:
+    """The scrubber (a time on the fleet's clock), play/pause, the speed, and the summary."""
+    replay = fleet_replay(folder)
+    fleet = replay.fleet
+    if timed and not replay.playing:  # playback ended: drop this fragment's timer
+        st.rerun()
+    span = round(fleet.end - fleet.start, 2)
+    now = round(replay.position - fleet.start, 2)
+    cols = st.columns([7, 1.2, 2.2])
+    label, help_ = "Fleet time (s)", "Every replica as it stood at this time on the fleet's clock."
+    if replay.playing or span <= 0:  # moving (or nothing to move): shown, not set
+        cols[0].slider(label, 0.0, max(span, 0.01), now, disabled=True, help=help_)
+    else:
+        picked = cols[0].slider(label, 0.0, span, now, step=0.01, help=help_,
+                                key=f"fleet_replay_t_{replay.generation}")  # fmt: skip
+        if abs(picked - now) > 1e-6:
+            replay.seek(fleet.start + picked, moved_here=True)
+    if cols[1].button(
+        ":material/pause: Pause" if replay.playing else ":material/play_arrow: Play",
+        key="fleet_replay_play",
+        width="stretch",
+    ):
+        if replay.playing:
+            replay.pause()
+        else:
+            replay.play()
+        st.rerun()  # the whole page: this fragment's timer follows the player
+    speed = cols[2].select_slider("Speed", options=SPEEDS, key="fleet_replay_speed",
+                                  format_func=lambda v: f"{v}×")  # fmt: skip
+    if float(speed) != replay.speed:
+        replay.set_speed(float(speed))
+    state = "playing" if replay.playing else "at the end" if replay.at_end else "paused"
+    st.caption(
+        f"t = {replay.position - fleet.start:.2f} s of {fleet.end - fleet.start:.2f} s on the "
+        f"fleet's clock · {state}. "
+        + " · ".join(
+            f"{name}: step {src.current_step}"
+            for name, src in zip(fleet.names, replay.sources, strict=True)
+        )  # fmt: skip
+    )
+    rows = fleet_ui.fleet_rows(replay.links, fleet.summaries)
+    for row, name in zip(rows, fleet.names, strict=True):
+        row["replica"], row["state"] = name, state
+        row.pop("engine", None)
+    rows.append({"replica": FLEET, **fleet_ui.figures(fleet.total)})
+    fleet_ui.summary_table(
+        replay.links,
+        rows,
+        caption="The figures (requests to worst stall) cover each replica's whole recording "
+        "(instrumentation.fold.summarize of its trace) and, in the last row, the whole fleet's "
+        "(summarize_fleet: requests pooled, tokens over the fleet's span); running, waiting, KV "
+        "and the config are each replica's at the scrubber's time.",
+    )
+
+
+# ---- the page ---------------------------------------------------------------------------------
+
+
+def _replica_charts(folder: str, i: int) -> None:
+    opts = ViewOptions(window=REPLAY_WINDOW, xmode="time")
+    _live_charts(_shifted(folder)[i], f"fleet-replay-charts-{i}", opts, _captions)
+
+
+def _fmt(value: Any) -> Any:
+    return round(value, 4) if isinstance(value, float) else value
+
+
+def comparison(fleet: FleetRecording, folder: str) -> None:
+    st.markdown("### Compare fleet recordings")
+    try:
+        other = load(folder)
+    except ValueError as exc:
+        st.error(f"Compare with: {exc}")
+        return
+    rows = [{k: _fmt(v) for k, v in r.items()} for r in compare_rows(fleet, other)]
+    st.dataframe(rows, hide_index=True, key="fleet_compare_table")
+    st.caption(
+        f"A: `{fleet.folder}` ({len(fleet.recordings)} replicas) · B: `{other.folder}` "
+        f"({len(other.recordings)} replicas). Each replica's figures are "
+        "instrumentation.fold.summarize of its whole trace; the fleet's, summarize_fleet of all "
+        "of them (requests pooled, output tokens over the fleet's span on one clock). The "
+        "prefix-cache hit rate is the share of admitted prompt tokens the radix cache served."
+    )
+
+
+def render(opened: Opened) -> None:
+    """The fleet page over the open fleet recording (main.py calls this instead of the others)."""
+    assert opened.folder is not None
+    try:
+        replay = fleet_replay(opened.folder)
+    except ValueError as exc:
+        st.error(f"Open fleet recording: {exc}")
+        return
+    fleet = replay.fleet
+    n = len(fleet.recordings)
+    st.markdown(f"## :material/hub: stepscope: a fleet recording of {n} replicas")
+    st.caption(
+        f"Replaying `{fleet.folder}`: each replica's trace through its own replay, every "
+        "replica on one clock (seconds since the first engine started, by each trace's "
+        "`hello.engine.clock_epoch`). No engine: nothing can be sent."
+    )
+    if not fleet.aligned:
+        st.warning("Some traces carry no clock_epoch (an older server): those replicas are drawn "
+                   "on their own clock, not aligned with the others.")  # fmt: skip
+    every = PLAY_REFRESH_S if replay.playing else None
+    st.fragment(_player, run_every=every)(opened.folder, every is not None)
+    fleet_ui.controls_form(replay.links, disabled=NO_ENGINE)
+    urls = tuple(link.url for link in replay.links)
+    fleet_ui.prompt_form(replay.links, fleet_ui.FleetSpec(urls, source=str(fleet.folder)),
+                         disabled=NO_ENGINE)  # fmt: skip
+    if opened.compare:
+        comparison(fleet, opened.compare)
+    for i, (name, rec) in enumerate(zip(fleet.names, fleet.recordings, strict=True)):
+        st.markdown(f"#### {name} · `{rec.name}`")
+        st.fragment(_replica_charts, run_every=LIVE_EVERY_S)(opened.folder, i)
