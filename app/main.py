@@ -88,6 +88,18 @@ def page_mode(link: EngineLink) -> external.ExternalMode:
     return external.external_mode(delta.engine, OPENAI_URL)
 
 
+def page_outdated(link: EngineLink) -> bool:
+    """What the full page draws has changed since it last ran, and no fragment draws it: the
+    engine turned out external (or not), its config arrived (the scheduling controls), or a
+    held prompt reached it (its notice). The fragments that refresh on their own ask for one
+    full run then, so the page is whole without a click."""
+    return (
+        page_mode(link) != st.session_state.get("page_mode")
+        or session.controls_outdated(link)
+        or session.held_outdated()
+    )
+
+
 # ---- main area --------------------------------------------------------------------------------
 
 
@@ -95,8 +107,8 @@ def connection_panel(link: EngineLink, launcher: Launcher) -> None:
     """Loading progress, a lost engine, or a dead one, said plainly, with a way out."""
     url = link.url
     status = link.status()
-    if page_mode(link) != st.session_state.get("page_mode"):
-        st.rerun(scope="app")  # the engine turned out external (or not): redraw the controls
+    if page_outdated(link):
+        st.rerun(scope="app")  # the engine came up, or turned out external: redraw the controls
     proc = launcher.process
     if should_autostart(
         url, status.ever_connected, status.failed_attempts, AUTOSTART, proc is not None
@@ -210,8 +222,7 @@ def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
         # The first minute: the engine is still loading. Hold the prompt and send it the moment
         # the engine is up, rather than refusing it.
         run = workloads.PresetRun(workloads.prompt_preset(commands)).start(link)
-        session.add_run(run)
-        session.notify(True, "The engine is starting: your prompt is held and sent once it is up.")
+        session.hold(run, "The engine is starting: your prompt is held and sent once it is up.")
         return
     session.submit_now(link, commands)
 
@@ -308,6 +319,7 @@ def detail_views(link: EngineLink, abort_note: str | None = None) -> None:
 
 def main() -> None:
     st.set_page_config(page_title="stepscope", page_icon="🔭", layout="wide")
+    session.settle_held()  # before any fragment asks whether the page is outdated
     target = engine_target()
     # Another tab may have changed the process's URL: show it here too.
     if st.session_state.get("url") != target.url:
@@ -318,7 +330,7 @@ def main() -> None:
     launcher = engine_launcher()
     mode = page_mode(link) if link is not None else external.ExternalMode(False)
     st.session_state["page_mode"] = mode
-    sidebar.render(link, target, mode)
+    sidebar.render(link, target, mode, page_outdated)
 
     st.markdown("## :material/monitoring: stepscope")
     st.caption(

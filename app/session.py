@@ -17,7 +17,7 @@ import streamlit as st
 from app import controls
 from app.client import EngineLink, NotConnected
 from app.state import Message, Snapshot
-from app.workloads import PresetRun
+from app.workloads import PROMPT_PRESET, PresetRun
 
 WINDOWS: tuple[int | str, ...] = (100, 250, 500, 1000, 2000, 5000, "all")
 DEFAULT_WINDOW = 500
@@ -29,8 +29,13 @@ MAX_RUNS = 4
 
 @dataclass(frozen=True)
 class Notice:
+    """A command's outcome on this tab's status line. A `held` notice stands while its run waits
+    for the engine to come up; once the run has reached the engine, `settle_held` replaces it
+    with what became of it."""
+
     ok: bool
     text: str
+    held: PresetRun | None = None
 
 
 def notices() -> list[Notice]:
@@ -50,6 +55,54 @@ def notify(ok: bool, text: str, toast: bool = False) -> None:
     # The status line lives outside the fragments: a control inside one (Abort) reruns only its
     # fragment, which then asks for the whole page (`show_notices_now`).
     st.session_state["notice_unshown"] = True
+
+
+def hold(run: PresetRun, text: str) -> None:
+    """A run waiting for the engine (a prompt or workload sent before it was up): say so until
+    it has reached the engine."""
+    add_run(run)
+    notify(True, text)
+    items = notices()
+    items[-1] = Notice(True, text, held=run)
+
+
+def _settled(notice: Notice) -> Notice | None:
+    """What a held notice becomes once its run reached the engine (None: still held)."""
+    run = notice.held
+    if run is None:
+        return None
+    if run.errors:
+        return Notice(False, f"{run.preset.title}: {'; '.join(run.errors)}")
+    if run.preset.key == PROMPT_PRESET and run.finished:
+        uids = ", ".join(map(str, run.uids))
+        return Notice(True, f"submitted: request {uids} (held until the engine was up)")
+    if run.preset.key != PROMPT_PRESET and run.done_actions > 0:
+        return Notice(True, f"workload “{run.preset.title}” started (the engine is up)")
+    return None
+
+
+def held_outdated() -> bool:
+    """A held notice on the page whose run has since reached the engine."""
+    return any(_settled(n) is not None for n in notices())
+
+
+def settle_held() -> None:
+    """At the start of a full page run: replace held notices whose runs reached the engine."""
+    items = notices()
+    for k, notice in enumerate(items):
+        if (settled := _settled(notice)) is not None:
+            items[k] = settled
+
+
+def controls_waiting(waiting: bool) -> None:
+    """The full page drew the sidebar without the scheduling controls (no engine config yet)."""
+    st.session_state["controls_waiting"] = waiting
+
+
+def controls_outdated(link: EngineLink) -> bool:
+    """The page was drawn before the engine's config arrived, and it has arrived since: the
+    controls the full page draws are missing until it runs again."""
+    return bool(st.session_state.get("controls_waiting")) and engine_facts(link)[1] is not None
 
 
 def show_notices_now() -> None:

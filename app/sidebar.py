@@ -7,6 +7,7 @@ sidebar then shows the engine's config, so a change made elsewhere (a preset, an
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import streamlit as st
 
@@ -91,11 +92,12 @@ def _on_policy(link: EngineLink) -> None:
 
 
 def _start_preset(link: EngineLink, preset: workloads.Preset) -> None:
-    session.add_run(workloads.PresetRun(preset).start(link))
+    run = workloads.PresetRun(preset).start(link)
     if link.status().state == "connected":
+        session.add_run(run)
         session.notify(True, f"workload “{preset.title}” started")
     else:
-        session.notify(True, f"workload “{preset.title}” held: it starts once the engine is up")
+        session.hold(run, f"workload “{preset.title}” held: it starts once the engine is up")
 
 
 def _clear(link: EngineLink) -> None:
@@ -169,7 +171,9 @@ def engine_line(engine: dict) -> str:
     )
 
 
-def connection_badge(link: EngineLink) -> None:
+def connection_badge(link: EngineLink, outdated: Callable[[EngineLink], bool]) -> None:
+    if outdated(link):  # the engine came up since the page was drawn: draw it whole, once
+        st.rerun(scope="app")
     status = link.status()
     engine, _ = session.engine_facts(link)
     if status.state == "connected":
@@ -183,7 +187,14 @@ def connection_badge(link: EngineLink) -> None:
         st.caption("Engine starting or unreachable: prompts and workloads are held until it is up.")
 
 
-def render(link: EngineLink | None, target: Target, mode: ExternalMode | None = None) -> None:
+def render(
+    link: EngineLink | None,
+    target: Target,
+    mode: ExternalMode | None = None,
+    outdated: Callable[[EngineLink], bool] = lambda link: False,
+) -> None:
+    """The sidebar. `outdated(link)` says the page was drawn before something the full page
+    shows (the engine's config, a held prompt sent): the badge's fragment then redraws it."""
     with st.sidebar:
         st.subheader("Engine")
         st.text_input(
@@ -195,14 +206,17 @@ def render(link: EngineLink | None, target: Target, mode: ExternalMode | None = 
         )
         if link is None:
             return
-        st.fragment(connection_badge, run_every=REFRESH_S * 2)(link)
+        # what this run draws, noted before the badge's fragment asks whether it is outdated
+        config = session.engine_facts(link)[1]
+        waiting = not config and "synced_config" not in st.session_state
+        session.controls_waiting(waiting and not (mode is not None and mode.external))
+        st.fragment(connection_badge, run_every=REFRESH_S)(link, outdated)
 
         st.subheader("Scheduling")
-        config = session.engine_facts(link)[1]
         if mode is not None and mode.external:
             # A watched engine takes no commands: say so instead of showing dead controls.
             st.caption("Budget and policy: " + mode.disabled_note())
-        elif not config and "synced_config" not in st.session_state:
+        elif waiting:
             # Until the engine says what it runs, controls would show made-up values (and send
             # them): say why they are not there yet.
             st.caption("Engine starting… the scheduling controls appear once it is connected.")

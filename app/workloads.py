@@ -18,6 +18,7 @@ from app.state import EventStore, Message
 
 _LIVE = frozenset({"waiting", "running"})
 _RUNS = itertools.count(1)
+PROMPT_PRESET = "prompt"  # the key of the page's own prompt played as a preset
 ENGINE_WAIT_S = 900.0  # a first start converts the model; that can take minutes
 
 
@@ -172,7 +173,7 @@ def prompt_preset(commands: list[Message]) -> Preset:
     """The page's own prompt (and its copies) as a preset, so it can wait for the engine."""
     first = commands[0]
     return Preset(
-        "prompt",
+        PROMPT_PRESET,
         "Your prompt" + (f" ×{len(commands)}" if len(commands) > 1 else ""),
         first["prompt"][:80],
         tuple(
