@@ -83,8 +83,8 @@ def classic_charts() -> bool:
 
 def page_mode(link: EngineLink) -> external.ExternalMode:
     """Whether the engine is external (a watch) and what the page may send it."""
-    delta = link.store.delta(st.session_state.get("mode_cursor"), metrics=False)
-    st.session_state["mode_cursor"] = delta.cursor
+    delta = link.store.delta(session.MODE_CURSOR.get(), metrics=False)
+    session.MODE_CURSOR.set(delta.cursor)
     return external.external_mode(delta.engine, OPENAI_URL)
 
 
@@ -94,7 +94,7 @@ def page_outdated(link: EngineLink) -> bool:
     held prompt reached it (its notice). The fragments that refresh on their own ask for one
     full run then, so the page is whole without a click."""
     return (
-        page_mode(link) != st.session_state.get("page_mode")
+        page_mode(link) != session.PAGE_MODE.get()
         or session.controls_outdated(link)
         or session.held_outdated()
     )
@@ -151,9 +151,9 @@ def status_strip(link: EngineLink) -> None:
     snap = session.metrics_snapshot(link)
     panels.metrics_row(snap)
     panels.delivery_notice(snap)
-    for run in st.session_state.get("preset_runs", [])[-3:]:
+    for run in session.PRESET_RUNS.get()[-3:]:
         panels.run_line(run)
-    for posted in st.session_state.get("openai_submits", [])[-3:]:
+    for posted in session.OPENAI_SUBMITS.get()[-3:]:
         if not posted.done:
             st.caption(f":material/play_circle: sent to {posted.request.full_url}; waiting…")
         elif posted.error:
@@ -165,7 +165,7 @@ def status_strip(link: EngineLink) -> None:
 def openai_submit(mode: external.ExternalMode, command: dict, copies: int) -> None:
     """An external engine with an OpenAI endpoint: post the prompt there (a thread per copy)."""
     assert mode.openai_url is not None
-    posts = st.session_state.setdefault("openai_submits", [])
+    posts = session.OPENAI_SUBMITS.setdefault()
     for _ in range(copies):
         request = external.openai_request(
             mode.openai_url,
@@ -192,20 +192,27 @@ def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
     with st.form("prompt", border=True):
         text = st.text_area(
             "Prompt",
-            key="prompt_text",
+            key=session.PROMPT_TEXT.key,
             height=80,
             placeholder="Type a prompt, or pick a workload in the sidebar…",
         )
         c = st.columns([1, 1, 1, 1, 1, 1.2])
-        max_tokens = c[0].number_input("max_tokens", min_value=1, value=64, key="max_tokens")
+        max_tokens = c[0].number_input(
+            "max_tokens", min_value=1, value=64, key=session.MAX_TOKENS.key
+        )
         temperature = c[1].number_input(
-            "temperature", min_value=0.0, value=0.0, step=0.1, key="temperature", help="0: greedy."
+            "temperature",
+            min_value=0.0,
+            value=0.0,
+            step=0.1,
+            key=session.TEMPERATURE.key,
+            help="0: greedy.",
         )
         copies = c[2].number_input(
-            "copies", min_value=1, max_value=controls.MAX_COPIES, value=1, key="copies"
+            "copies", min_value=1, max_value=controls.MAX_COPIES, value=1, key=session.COPIES.key
         )
-        chat = c[3].toggle("chat template", value=True, key="chat")
-        ignore_eos = c[4].toggle("ignore EOS", value=False, key="ignore_eos")
+        chat = c[3].toggle("chat template", value=True, key=session.CHAT.key)
+        ignore_eos = c[4].toggle("ignore EOS", value=False, key=session.IGNORE_EOS.key)
         submitted = c[5].form_submit_button("Submit", type="primary", width="stretch")
     if not submitted:
         return
@@ -228,8 +235,8 @@ def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
 
 
 def notices_line() -> None:
-    st.session_state.pop("notice_unshown", None)  # shown here, in this run
-    for ok, text in st.session_state.pop("unshown_toasts", []):
+    session.NOTICE_UNSHOWN.pop()  # shown here, in this run
+    for ok, text in session.UNSHOWN_TOASTS.pop():
         st.toast(text, icon=":material/check_circle:" if ok else ":material/error:")
     items = session.notices()
     if not items:
@@ -249,7 +256,7 @@ def classic_views(link: EngineLink) -> None:
     if tabs[0].open:
         with tabs[0]:
             panels.timeline_view(snap, policy)
-            frozen = st.session_state.get("frozen")
+            frozen = session.FROZEN.get()
             if not session.is_live() and frozen is not None:
                 panels.inspect_slider(frozen)
             panels.outputs_view(snap.requests)
@@ -322,14 +329,14 @@ def main() -> None:
     session.settle_held()  # before any fragment asks whether the page is outdated
     target = engine_target()
     # Another tab may have changed the process's URL: show it here too.
-    if st.session_state.get("url") != target.url:
-        st.session_state["url"] = target.url
+    if session.URL.get() != target.url:
+        session.URL.set(target.url)
     problem = valid_url(target.url)
     replay = replay_ui.sidebar()  # an open recording stands in for the engine (app/replay_ui.py)
     link = replay or (None if problem else engine_link(target.url))
     launcher = engine_launcher()
     mode = page_mode(link) if link is not None else external.ExternalMode(False)
-    st.session_state["page_mode"] = mode
+    session.PAGE_MODE.set(mode)
     sidebar.render(link, target, mode, page_outdated)
 
     st.markdown("## :material/monitoring: stepscope")
