@@ -8,8 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+# The seed chapter the page makes visible, named wherever the page cites it.
+CHAPTER = (
+    "“Chunked prefill”, *mini-sglang from Scratch*, Stage 2 "
+    "(“Scheduling it well: many requests at once”)"
+)
 POLICIES = ("prefill_first", "mixed")
-POLICY_LABELS = {"prefill_first": "prefill-first (chapter 10)", "mixed": "mixed (stall-free)"}
+POLICY_LABELS = {
+    "prefill_first": "prefill-first (the chapter's)",
+    "mixed": "mixed (stall-free)",
+}
 BUDGET_STEPS = tuple(2**k for k in range(14))  # 1, 2, 4, ... 8192
 MAX_COPIES = 64
 

@@ -1,6 +1,6 @@
 """stepscope's dashboard: `streamlit run app/main.py`, then watch an engine schedule, step by step.
 
-The page is a thin protocol client (PROTOCOL.md): one background connection per app process
+The page is a thin protocol client (docs/protocol.md): one background connection per app process
 (`engine_link`, a cached resource) feeds every browser tab. The charts are one custom component
 (app/live) that draws in the browser and receives only the steps it does not have yet, as often
 as the browser asks (up to 5 times a second); the rest of the page (metrics, tables, the KV page
@@ -15,6 +15,7 @@ STEPSCOPE_CHARTS (`classic`: the previous charts, rebuilt in Python every second
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -32,6 +33,7 @@ from app.client import EngineLink, valid_url  # noqa: E402
 from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
 from app.live.component import LIVE_EVERY_S  # noqa: E402
+from app.replay import ReplayLink  # noqa: E402
 
 DEFAULT_URL = os.environ.get("STEPSCOPE_URL", "ws://127.0.0.1:8765")
 MODEL = os.environ.get("STEPSCOPE_MODEL", "smollm2")
@@ -81,18 +83,25 @@ def classic_charts() -> bool:
     return (st.query_params.get("charts") or CHARTS) == "classic"
 
 
-def page_mode(link: EngineLink) -> external.ExternalMode:
-    """Whether the engine is external (a watch) and what the page may send it."""
+def page_mode(link: EngineLink | ReplayLink) -> external.ExternalMode:
+    """Whether the engine is external (a watch), or a recording stands in for it (a replay),
+    and what the page may send it."""
     delta = link.store.delta(session.MODE_CURSOR.get(), metrics=False)
     session.MODE_CURSOR.set(delta.cursor)
-    return external.external_mode(delta.engine, OPENAI_URL)
+    mode = external.external_mode(delta.engine, OPENAI_URL)
+    if isinstance(link, ReplayLink):
+        mode = dataclasses.replace(mode, replaying=link.source.recording.name)
+    return mode
 
 
 def page_outdated(link: EngineLink) -> bool:
     """What the full page draws has changed since it last ran, and no fragment draws it: the
     engine turned out external (or not), its config arrived (the scheduling controls), or a
     held prompt reached it (its notice). The fragments that refresh on their own ask for one
-    full run then, so the page is whole without a click."""
+    full run then, so the page is whole without a click. Never during a full run: it draws the
+    page anyway, and a rerun would drop what started it (a form's Submit)."""
+    if session.FULL_RUN.get():
+        return False
     return (
         page_mode(link) != session.PAGE_MODE.get()
         or session.controls_outdated(link)
@@ -181,9 +190,12 @@ def openai_submit(mode: external.ExternalMode, command: dict, copies: int) -> No
 
 
 def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
-    if not mode.can_submit:
+    off = not mode.can_submit
+    if off:
         st.info("Submitting prompts: " + mode.disabled_note(), icon=":material/block:")
-        return
+        if mode.replaying is None:
+            return
+        # a replay keeps the form in view, disabled, so the page looks as it did live
     if mode.external:
         st.caption(
             f"Prompts go to the engine's OpenAI endpoint {mode.openai_url} over HTTP; their steps "
@@ -195,10 +207,11 @@ def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
             key=session.PROMPT_TEXT.key,
             height=80,
             placeholder="Type a prompt, or pick a workload in the sidebar…",
+            disabled=off,
         )
         c = st.columns([1, 1, 1, 1, 1, 1.2])
         max_tokens = c[0].number_input(
-            "max_tokens", min_value=1, value=64, key=session.MAX_TOKENS.key
+            "max_tokens", min_value=1, value=64, key=session.MAX_TOKENS.key, disabled=off
         )
         temperature = c[1].number_input(
             "temperature",
@@ -207,14 +220,22 @@ def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
             step=0.1,
             key=session.TEMPERATURE.key,
             help="0: greedy.",
+            disabled=off,
         )
         copies = c[2].number_input(
-            "copies", min_value=1, max_value=controls.MAX_COPIES, value=1, key=session.COPIES.key
+            "copies",
+            min_value=1,
+            max_value=controls.MAX_COPIES,
+            value=1,
+            key=session.COPIES.key,
+            disabled=off,
         )
-        chat = c[3].toggle("chat template", value=True, key=session.CHAT.key)
-        ignore_eos = c[4].toggle("ignore EOS", value=False, key=session.IGNORE_EOS.key)
-        submitted = c[5].form_submit_button("Submit", type="primary", width="stretch")
-    if not submitted:
+        chat = c[3].toggle("chat template", value=True, key=session.CHAT.key, disabled=off)
+        ignore_eos = c[4].toggle(
+            "ignore EOS", value=False, key=session.IGNORE_EOS.key, disabled=off
+        )
+        submitted = c[5].form_submit_button("Submit", type="primary", width="stretch", disabled=off)
+    if not submitted or off:
         return
     try:
         command = controls.submit(text or "", int(max_tokens), float(temperature), chat, ignore_eos)
@@ -327,6 +348,15 @@ def detail_views(link: EngineLink, abort_note: str | None = None) -> None:
 def main() -> None:
     st.set_page_config(page_title="stepscope", page_icon="🔭", layout="wide")
     session.settle_held()  # before any fragment asks whether the page is outdated
+    session.FULL_RUN.set(True)
+    try:
+        page()
+    finally:  # also when a rerun or an error ends this run early
+        session.FULL_RUN.set(False)
+
+
+def page() -> None:
+    """The whole page, drawn by a full run (the fragments then refresh their parts)."""
     target = engine_target()
     # Another tab may have changed the process's URL: show it here too.
     if session.URL.get() != target.url:
@@ -360,7 +390,7 @@ def main() -> None:
     if classic_charts():
         st.fragment(classic_views, run_every=every)(link)
         return
-    abort_note = ("Abort: " + mode.disabled_note()) if mode.external else None
+    abort_note = None if mode.commands else "Abort: " + mode.disabled_note()
     if mode.external:
         st.fragment(external_area, run_every=every)(link)
     else:

@@ -40,7 +40,7 @@ POLICY_CAPTIONS = {
     "prefill_first": (
         "Now **prefill-first**: a step runs one kind only, so no request decodes while a prompt "
         "is chunked (red): “there is no decode at all while the long prompt is being prefilled "
-        "in chunks” (chapter 10, *The cost*)."
+        "in chunks” (“Chunked prefill”, *mini-sglang from Scratch*, Stage 2, *The cost*)."
     ),
     "mixed": (
         "Now **mixed** (stall-free batching, Sarathi-Serve): every running request decodes one "

@@ -83,6 +83,7 @@ PAGE_MODE = Field["ExternalMode | None"]("page_mode")  # what the last full run 
 MODE_CURSOR = Field["int | None"]("mode_cursor")
 FACTS_CURSOR = Field["int | None"]("facts_cursor")
 CONTROLS_WAITING = Field[bool]("controls_waiting", False)  # drawn without the engine's config
+FULL_RUN = Field[bool]("full_run", False)  # a full page run is under way (not a fragment's)
 # the prompt form's widgets
 PROMPT_TEXT = Field[str]("prompt_text", "")
 MAX_TOKENS = Field[int]("max_tokens", 64)
@@ -107,6 +108,7 @@ NOTICE_UNSHOWN = Field[bool]("notice_unshown", False)
 UNSHOWN_TOASTS = Field["list[tuple[bool, str]]"]("unshown_toasts", factory=list)
 PRESET_RUNS = Field["list[PresetRun]"]("preset_runs", factory=list)
 OPENAI_SUBMITS = Field["list[OpenAISubmit]"]("openai_submits", factory=list)
+CLEAR = Field[bool]("clear_history", False)  # the button
 # the view
 LIVE = Field[bool]("live", True)  # widget
 WINDOW = Field["int | str"]("window", DEFAULT_WINDOW)  # widget

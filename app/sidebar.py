@@ -18,6 +18,7 @@ from app.external import ExternalMode
 REFRESH_S = 1.0
 DEFAULT_BUDGET = session.DEFAULT_BUDGET
 STALE_S = 3.0  # how long a value from before a sync may still come back from the browser
+OWN_ENGINE = ExternalMode(False)  # an engine of our own: every control acts
 
 
 class Target:
@@ -173,9 +174,15 @@ def engine_line(engine: dict) -> str:
     )
 
 
-def connection_badge(link: EngineLink, outdated: Callable[[EngineLink], bool]) -> None:
+def connection_badge(
+    link: EngineLink, outdated: Callable[[EngineLink], bool], replaying: str | None = None
+) -> None:
     if outdated(link):  # the engine came up since the page was drawn: draw it whole, once
         st.rerun(scope="app")
+    if replaying is not None:  # the page shows a recording: no engine is connected to it
+        st.markdown(":gray[●] **no engine** · replaying a recording")
+        st.caption("The engine URL is used again once the recording is closed.")
+        return
     status = link.status()
     engine, _ = session.engine_facts(link)
     if status.state == "connected":
@@ -192,7 +199,7 @@ def connection_badge(link: EngineLink, outdated: Callable[[EngineLink], bool]) -
 def render(
     link: EngineLink | None,
     target: Target,
-    mode: ExternalMode | None = None,
+    mode: ExternalMode = OWN_ENGINE,
     outdated: Callable[[EngineLink], bool] = lambda link: False,
 ) -> None:
     """The sidebar. `outdated(link)` says the page was drawn before something the full page
@@ -204,18 +211,23 @@ def render(
             key=session.URL.key,
             on_change=_on_url,
             args=(target,),
-            help="A stepscope engine server (PROTOCOL.md); every tab of this app follows it.",
+            help="A stepscope engine server (docs/protocol.md); every tab of this app follows it.",
         )
         if link is None:
             return
         # what this run draws, noted before the badge's fragment asks whether it is outdated
         config = session.engine_facts(link)[1]
         waiting = not config and not session.SYNCED_CONFIG.present()
-        session.controls_waiting(waiting and not (mode is not None and mode.external))
-        st.fragment(connection_badge, run_every=REFRESH_S)(link, outdated)
+        session.controls_waiting(waiting and mode.commands)
+        st.fragment(connection_badge, run_every=REFRESH_S)(link, outdated, mode.replaying)
 
         st.subheader("Scheduling")
-        if mode is not None and mode.external:
+        if mode.replaying is not None:
+            # A recording's budget and policy, as they stood at the step shown: read-only.
+            st.caption("Budget and policy: " + mode.disabled_note())
+            if config:
+                _scheduling_controls(link, config, disabled=True)
+        elif mode.external:
             # A watched engine takes no commands: say so instead of showing dead controls.
             st.caption("Budget and policy: " + mode.disabled_note())
         elif waiting:
@@ -227,7 +239,7 @@ def render(
         _workloads_and_view(link, mode)
 
 
-def _scheduling_controls(link: EngineLink, config: dict | None) -> None:
+def _scheduling_controls(link: EngineLink, config: dict | None, disabled: bool = False) -> None:
     _sync_controls(config)
     left, right = st.columns([3, 1.3])
     left.select_slider(
@@ -237,6 +249,7 @@ def _scheduling_controls(link: EngineLink, config: dict | None) -> None:
         on_change=_on_budget_slider,
         args=(link,),
         help="Prompt tokens per step (the chunk size). Applies from the next step.",
+        disabled=disabled,
     )
     right.number_input(
         "exact",
@@ -246,6 +259,7 @@ def _scheduling_controls(link: EngineLink, config: dict | None) -> None:
         on_change=_on_budget_exact,
         args=(link,),
         help="Any exact budget ≥ 1.",
+        disabled=disabled,
     )
     st.radio(
         "Policy",
@@ -258,14 +272,16 @@ def _scheduling_controls(link: EngineLink, config: dict | None) -> None:
             "one kind per step: decode waits while a prompt is chunked",
             "decodes ride along in every step; prompts get the rest",
         ],
+        help=f"prefill-first is the policy of {controls.CHAPTER}; mixed is Sarathi-Serve's "
+        "stall-free batching.",
+        disabled=disabled,
     )
 
 
-def _workloads_and_view(link: EngineLink, mode: ExternalMode | None = None) -> None:
+def _workloads_and_view(link: EngineLink, mode: ExternalMode) -> None:
     st.subheader("Workloads")
-    external = mode is not None and mode.external
-    if external:
-        st.caption("Workloads: " + mode.disabled_note())  # type: ignore[union-attr]
+    if not mode.commands:
+        st.caption("Workloads: " + mode.disabled_note())
     for preset in workloads.PRESETS:
         st.button(
             preset.title,
@@ -274,7 +290,7 @@ def _workloads_and_view(link: EngineLink, mode: ExternalMode | None = None) -> N
             on_click=_start_preset,
             args=(link, preset),
             width="stretch",
-            disabled=external,
+            disabled=not mode.commands,
         )
 
     st.subheader("View")
@@ -291,7 +307,16 @@ def _workloads_and_view(link: EngineLink, mode: ExternalMode | None = None) -> N
     st.radio("x axis", ("step", "time"), key=session.XMODE.key, horizontal=True)
 
     st.subheader("Session")
-    st.button("Clear history", on_click=_clear, args=(link,), width="stretch")
+    replaying = mode.replaying is not None
+    st.button(
+        "Clear history",
+        key=session.CLEAR.key,
+        on_click=_clear,
+        args=(link,),
+        width="stretch",
+        disabled=replaying,
+        help=mode.disabled_note() if replaying else "Forget the steps shown (the engine runs on).",
+    )
     left, right = st.columns(2)
     left.download_button(
         "Trace (JSONL)",

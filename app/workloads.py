@@ -1,4 +1,6 @@
-"""Workload presets: scripted sequences of protocol commands that make the chapter visible.
+"""Workload presets: scripted sequences of protocol commands that make the seed chapter visible
+(“Chunked prefill”, *mini-sglang from Scratch*, Stage 2, “Scheduling it well: many requests at
+once”).
 
 A preset is data (`Submit`, `SetConfig`, `AwaitTokens`); `PresetRun` plays one in a background
 thread through the engine link, so the page stays responsive while it waits for tokens.
@@ -158,8 +160,9 @@ PRESETS: tuple[Preset, ...] = (
     Preset(
         "chapter",
         "The chapter's example",
-        "Budget 16, prefill-first, and the chapter's three prompts (max_tokens=3): a 58-token "
-        "prompt cut into 16-token chunks, the next request chunked behind it.",
+        "Budget 16, prefill-first, and the three prompts of " + controls.CHAPTER + " "
+        "(max_tokens=3): a 58-token prompt cut into 16-token chunks, the next request chunked "
+        "behind it.",
         (
             SetConfig(max_extend_tokens=16, policy="prefill_first"),
             *(Submit(p, max_tokens=3, ignore_eos=True) for p in CHAPTER_PROMPTS),
