@@ -83,7 +83,7 @@ def _seconds(value: float | None) -> str:
 
 def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> None:
     """Draw a figure, rebuilding it only when its inputs changed since this tab last drew it."""
-    memo: dict[str, tuple[tuple, go.Figure]] = st.session_state.setdefault("figure_memo", {})
+    memo = session.FIGURE_MEMO.setdefault()
     hit = memo.get(name)
     if hit is None or hit[0] != key:
         hit = memo[name] = (key, build())
@@ -158,9 +158,10 @@ def _last_step_note(last: Message) -> str:
 
 def delivery_notice(snap: Snapshot) -> None:
     """Say when the record is not the whole truth: lost messages, or a new engine."""
-    seen = st.session_state.setdefault("restarts_seen", snap.restarts)
-    if snap.restarts > seen:
-        st.session_state["restarts_seen"] = snap.restarts
+    seen = session.RESTARTS_SEEN.get()
+    if seen is None or snap.restarts > seen:
+        session.RESTARTS_SEEN.set(snap.restarts)
+    if seen is not None and snap.restarts > seen:
         session.notify(False, "The engine restarted: the page now shows the new engine's record.")
     if snap.lost:
         st.warning(
@@ -198,9 +199,7 @@ def _captions(policy: str | None) -> dict[str, str]:
 
 def live_charts(link: EngineLink, hidden: bool = False) -> None:
     window = session.window_steps() or session.ALL_STEPS
-    opts = ViewOptions(
-        window=window, xmode=st.session_state.get("xmode", "step"), paused=not session.is_live()
-    )
+    opts = ViewOptions(window=window, xmode=session.XMODE.get(), paused=not session.is_live())
     _live_charts(link.store, "charts", opts, _captions, hidden=hidden)
 
 
@@ -231,7 +230,7 @@ def page_map_view(link: EngineLink) -> None:
 
 
 def timeline_view(snap: Snapshot, policy: str | None) -> None:
-    xmode = st.session_state.get("xmode", "step")
+    xmode = session.XMODE.get()
     if aggregate.any_aggregate(snap.steps):
         st.caption(aggregate.NO_LANES_CAPTION)
     else:
@@ -253,8 +252,8 @@ def inspect_slider(frozen: Snapshot) -> None:
         "Inspect recorded steps (paused)",
         min_value=lo,
         max_value=hi,
-        value=st.session_state.get("inspect") or (max(lo, hi - n + 1), hi),
-        key="inspect",
+        value=session.INSPECT.get() or (max(lo, hi - n + 1), hi),
+        key=session.INSPECT.key,
     )
 
 
@@ -286,7 +285,7 @@ def outputs_view(requests: Sequence[Message], limit: int = 8) -> None:
 
 
 def kv_view(snap: Snapshot) -> None:
-    xmode = st.session_state.get("xmode", "step")
+    xmode = session.XMODE.get()
     engine = snap.engine or {}
     pool = (
         f"Pool: {engine.get('num_pages', '?'):,} pages × {snap.page_size} token(s), "
@@ -409,7 +408,7 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
 
 def external_charts(snap: Snapshot) -> None:
     """An external engine's steps: aggregate composition, KV usage, queue, throughput."""
-    xmode = st.session_state.get("xmode", "step")
+    xmode = session.XMODE.get()
     st.caption(aggregate.NO_LANES_CAPTION)
     chart(
         "aggregate",
