@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from instrumentation.protocol import POLICY_NAMES as POLICIES
+
 # The seed chapter the page makes visible, named wherever the page cites it.
 CHAPTER = (
     "“Chunked prefill”, *mini-sglang from Scratch*, Stage 2 "
     "(“Scheduling it well: many requests at once”)"
 )
-POLICIES = ("prefill_first", "mixed")
 POLICY_LABELS = {
     "prefill_first": "prefill-first (the chapter's)",
     "mixed": "mixed (stall-free)",

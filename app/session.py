@@ -114,7 +114,6 @@ LIVE = Field[bool]("live", True)  # widget
 WINDOW = Field["int | str"]("window", DEFAULT_WINDOW)  # widget
 XMODE = Field[str]("xmode", "step")  # widget
 FROZEN = Field["Snapshot | None"]("frozen")  # the copy shown while paused
-INSPECT = Field["tuple[int, int] | None"]("inspect")  # the paused view's step range
 TAB_BOOKS = Field["dict[int, TabBook]"]("tab_books", factory=dict)
 TEXT_RECORDS = Field["dict[int, Message]"]("text_records", factory=dict)
 TEXT_CURSOR = Field["int | None"]("text_cursor")
@@ -123,6 +122,8 @@ RESTARTS_SEEN = Field["int | None"]("restarts_seen")
 LIVE_FEEDS = Field["dict[str, LiveFeed]"]("live_feeds", factory=dict)
 LIVE_SEEN = Field["dict[str, tuple[Any, list]]"]("live_seen", factory=dict)
 LIVE_SENT_POLICY = Field["dict[str, Any]"]("live_sent_policy", factory=dict)
+# a recording's batches for the live component, by view: (what they were built from, batch)
+RECORDING_BATCHES = Field["dict[str, tuple[tuple, dict]]"]("recording_batches", factory=dict)
 # replay, compare and sweep (app/replay_ui.py)
 REPLAY_SOURCE = Field["ReplaySource | None"]("replay_source")
 REPLAY_COMPARE = Field["Recording | None"]("replay_compare")
@@ -141,8 +142,8 @@ REPLAY_SPEED = Field[int]("replay_speed", SPEEDS[0])
 # what belongs to the shown source (the engine, or a recording): a new one starts them afresh,
 # as a new engine would
 VIEW_FIELDS: tuple[Field[Any], ...] = (
-    LIVE_FEEDS, LIVE_SENT_POLICY, FACTS_CURSOR, FROZEN, INSPECT, FIGURE_MEMO, SYNCED_CONFIG,
-    RESTARTS_SEEN,
+    LIVE_FEEDS, LIVE_SENT_POLICY, FACTS_CURSOR, FROZEN, FIGURE_MEMO, RECORDING_BATCHES,
+    SYNCED_CONFIG, RESTARTS_SEEN,
 )  # fmt: skip
 
 
@@ -298,11 +299,7 @@ def view_snapshot(link: EngineLink, cap: int | None = None) -> Snapshot:
     frozen = FROZEN.get()
     if is_live() or frozen is None:
         return link.store.snapshot(last_steps=n)
-    inspect = INSPECT.get()
-    if inspect is not None:
-        steps = [s for s in frozen.steps if inspect[0] <= s["step"] <= inspect[1]]
-    else:
-        steps = frozen.steps if n is None else frozen.steps[-n:] if n > 0 else []
+    steps = frozen.steps if n is None else frozen.steps[-n:] if n > 0 else []
     return Snapshot(steps, frozen.requests, frozen.engine, frozen.config, frozen.version,
                     kv_events=frozen.kv_events)  # fmt: skip
 
@@ -391,6 +388,5 @@ def freeze(link: EngineLink) -> None:
     """The live toggle's callback: pausing keeps a copy so charts stop changing under the mouse."""
     if is_live():
         FROZEN.set(None)
-        INSPECT.pop()
     else:
         FROZEN.set(link.store.snapshot())

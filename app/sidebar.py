@@ -105,7 +105,6 @@ def _start_preset(link: EngineLink, preset: workloads.Preset) -> None:
 def _clear(link: EngineLink) -> None:
     link.store.clear()
     session.FROZEN.set(link.store.snapshot() if not session.is_live() else None)
-    session.INSPECT.pop()
     session.notify(True, "history cleared (the engine keeps running)")
 
 
