@@ -174,12 +174,12 @@ def notices() -> list[Notice]:
     return NOTICES.setdefault()
 
 
-def notify(ok: bool, text: str, toast: bool = False) -> None:
+def notify(ok: bool, text: str, toast: bool = False, held: PresetRun | None = None) -> None:
     """Record a command's outcome for this tab's status line. `toast` repeats it in the corner,
     for controls far below that line (Abort): a toast elsewhere would cover the form's Submit
-    button, and one under the pointer never expires."""
+    button, and one under the pointer never expires. `held`: see `Notice`."""
     items = notices()
-    items.append(Notice(ok, text))
+    items.append(Notice(ok, text, held))
     del items[:-MAX_NOTICES]
     if toast:
         UNSHOWN_TOASTS.set([*UNSHOWN_TOASTS.get(), (ok, text)])
@@ -192,9 +192,7 @@ def hold(run: PresetRun, text: str) -> None:
     """A run waiting for the engine (a prompt or workload sent before it was up): say so until
     it has reached the engine."""
     add_run(run)
-    notify(True, text)
-    items = notices()
-    items[-1] = Notice(True, text, held=run)
+    notify(True, text, held=run)
 
 
 def _settled(notice: Notice) -> Notice | None:
