@@ -7,6 +7,10 @@ as the browser asks (up to 5 times a second); the rest of the page (metrics, tab
 map) refreshes once a second. If nothing answers at a local URL, the app starts
 `python -m engine.server --device auto`.
 
+This tab's state is app/session.py's (every `st.session_state` key, typed). What only a full
+run draws (the scheduling controls, the status line) is redrawn without a click: the fragments
+that refresh on their own ask for one full run when it changed (`page_outdated`).
+
 Environment: STEPSCOPE_URL (default ws://127.0.0.1:8765), STEPSCOPE_MODEL (default smollm2),
 STEPSCOPE_AUTOSTART (0 turns the auto-start off), STEPSCOPE_ENGINE_ARGS (extra server flags).
 """
