@@ -7,7 +7,7 @@ as the browser asks (up to 5 times a second); the rest of the page (metrics, tab
 map) refreshes once a second. If nothing answers at a local URL, the app starts
 `python -m engine.server --device auto`.
 
-This tab's state is app/session.py's (every `st.session_state` key, typed). What only a full
+This tab's state is app/session.py's (every session-state key, typed). What only a full
 run draws (the scheduling controls, the status line) is redrawn without a click: the fragments
 that refresh on their own ask for one full run when it changed (`page_outdated`).
 
@@ -30,7 +30,7 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import controls, external, panels, replay_ui, session, sidebar, workloads  # noqa: E402
+from app import controls, external, fleet_ui, panels, replay_ui, session, sidebar, workloads  # noqa: E402
 from app.client import EngineLink, valid_url  # noqa: E402
 from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
@@ -326,6 +326,14 @@ def page() -> None:
     # Another tab may have changed the process's URL: show it here too.
     if session.URL.get() != target.url:
         session.URL.set(target.url)
+    fleet, fleet_problem = fleet_ui.spec_for(target.url, sys.argv[1:], os.environ)
+    if fleet is not None or fleet_problem is not None:  # several engines: the fleet page
+        sidebar.render(None, target)
+        if fleet is None:
+            st.error(fleet_problem)
+            return
+        fleet_ui.render(fleet)
+        return
     problem = valid_url(target.url)
     replay = replay_ui.sidebar()  # an open recording stands in for the engine (app/replay_ui.py)
     link = replay or (None if problem else engine_link(target.url))
