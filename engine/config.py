@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from instrumentation.errors import InvalidRequest
+from instrumentation.records import ADMISSION_MODES
 
 POLICY_NAMES = ("prefill_first", "mixed")
 CACHE_TYPES = ("radix", "naive")
@@ -29,16 +30,26 @@ def check_policy(v: object) -> str:
     return v  # type: ignore[return-value]
 
 
+def check_admission(v: object) -> str:
+    if v not in ADMISSION_MODES:
+        raise InvalidRequest(
+            f"unknown admission {v!r}; expected one of {', '.join(ADMISSION_MODES)}"
+        )
+    return v  # type: ignore[return-value]
+
+
 @dataclass(frozen=True, slots=True)
 class LiveConfig:
     """What a user may change while the engine runs; every step reads one snapshot."""
 
     max_extend_tokens: int
     policy: str
+    admission: str = "reserve"
 
     def __post_init__(self) -> None:
         check_budget(self.max_extend_tokens)
         check_policy(self.policy)
+        check_admission(self.admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +74,10 @@ class EngineConfig:
     # ranks the model is split over (tensor parallelism, engine.distributed): one process and,
     # on CUDA, one GPU each; the heads are dealt out by whole GQA groups, unevenly if need be
     tp_size: int = 1
+    # optimistic admission (engine.scheduler.admission), SGLang's knobs: the estimate of
+    # future outputs starts at 0.7 x conservativeness and decays over this many steps
+    schedule_conservativeness: float = 1.0
+    new_token_ratio_decay_steps: int = 600
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda", "auto"):
@@ -100,6 +115,12 @@ class EngineConfig:
             raise InvalidRequest(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not _is_int(self.tp_size) or self.tp_size < 1:
             raise InvalidRequest(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        c = self.schedule_conservativeness
+        if isinstance(c, bool) or not isinstance(c, int | float) or not 0 < c < float("inf"):
+            raise InvalidRequest(f"schedule_conservativeness must be a number > 0, got {c!r}")
+        d = self.new_token_ratio_decay_steps
+        if not _is_int(d) or d < 1:
+            raise InvalidRequest(f"new_token_ratio_decay_steps must be an integer >= 1, got {d!r}")
         if self.tp_size > 1 and self.batch_invariant:
             # an all-reduce's summation order depends on the message size (NCCL picks its
             # algorithm by size), so a row's sum would depend on the batch again

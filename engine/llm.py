@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention.registry import create_backend
-from engine.config import EngineConfig, LiveConfig, check_budget, check_policy
+from engine.config import (
+    EngineConfig,
+    LiveConfig,
+    check_admission,
+    check_budget,
+    check_policy,
+)
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kvcache.manager import KVManager, KVSnapshot, pages_for
 from engine.kvcache.naive import NaiveCache
@@ -29,6 +35,7 @@ from engine.models.loader import build_model, load_tokenizer, read_config, resol
 from engine.models.parallel import SINGLE
 from engine.request import Req, RequestState
 from engine.runner import Launched, ModelRunner
+from engine.scheduler.admission import NewTokenRatio
 from engine.scheduler.batch import Batch
 from engine.scheduler.policy import POLICIES, SchedulePolicy
 from engine.scheduler.scheduler import Scheduler
@@ -42,6 +49,7 @@ from instrumentation.records import (
     StepItem,
     StepRecord,
     TokenEvent,
+    WaitReason,
 )
 from instrumentation.sampling import SamplingParams
 
@@ -88,11 +96,29 @@ class _InFlight:
     batch: Batch
     items: tuple[StepItem, ...]
     admitted: list[Req]
+    retracted: list[RequestState]
     out: Launched
     live: LiveConfig
     t0: float
     kv: KVStats
     queue: QueueStats
+    ratio: float  # new_token_ratio as the step was scheduled
+
+
+def _item(batch: Batch, req: Req) -> StepItem:
+    kind = batch.kind(req)
+    sample = kind == "recompute" and batch.samples(req)  # the piece that ends a recompute
+    return StepItem(req.uid, kind, req.cached_len, req.device_len, sample=sample)
+
+
+def _admitted_event(st: RequestState, t: float) -> RequestEvent:
+    """`cached_len`: the prefix-cache hit of this admission; a retracted request admitted again
+    says so (`recompute`), and its first admission's figures stand."""
+    if st.retractions:
+        return RequestEvent(
+            st.uid, "admitted", t, {"cached_len": st.matched_len, "recompute": True}
+        )
+    return RequestEvent(st.uid, "admitted", t, {"cached_len": st.cached_len})
 
 
 class LLM:
@@ -108,6 +134,7 @@ class LLM:
         max_seq_len: int | None = None,
         dtype: str | None = None,
         policy: str = "prefill_first",
+        admission: str = "reserve",
         attention_backend: str = "auto",
         cuda_graph: bool = True,
         overlap: bool | None = None,
@@ -117,9 +144,11 @@ class LLM:
         seed: int = 0,
         progress: bool = True,
         tp_size: int = 1,
+        schedule_conservativeness: float = 1.0,
+        new_token_ratio_decay_steps: int = 600,
     ) -> None:
         # validate everything cheap before the slow model load
-        self._live = LiveConfig(max_extend_tokens, policy)
+        self._live = LiveConfig(max_extend_tokens, policy, admission)
         cfg = EngineConfig(
             model=str(model),
             device=device,  # type: ignore[arg-type]
@@ -137,6 +166,8 @@ class LLM:
             load_format=load_format,  # type: ignore[arg-type]
             seed=seed,
             tp_size=tp_size,
+            schedule_conservativeness=schedule_conservativeness,
+            new_token_ratio_decay_steps=new_token_ratio_decay_steps,
         )
         self.config = cfg
         self._t_start = time.monotonic()
@@ -200,7 +231,8 @@ class LLM:
             RadixCache(page_size) if cache_type == "radix" else NaiveCache(page_size)
         )
         self.kv = KVManager(self.num_pages, page_size, self.table, cache)
-        self.scheduler = Scheduler(self.kv)
+        ratio = NewTokenRatio.scaled(cfg.schedule_conservativeness, cfg.new_token_ratio_decay_steps)
+        self.scheduler = Scheduler(self.kv, ratio)
         backend = create_backend(
             attention,
             self.device,
@@ -265,7 +297,11 @@ class LLM:
 
     def config_dict(self) -> dict[str, Any]:
         live = self._live
-        return {"max_extend_tokens": live.max_extend_tokens, "policy": live.policy}
+        return {
+            "max_extend_tokens": live.max_extend_tokens,
+            "policy": live.policy,
+            "admission": live.admission,
+        }
 
     def kv_stats(self) -> KVStats:
         return self.kv.stats(self.scheduler.reserved_tokens())
@@ -281,8 +317,13 @@ class LLM:
         # `t`: when it was read, so a client can order it against the events it received
         return {"t": self.now(), **self.kv.page_map(owners, sched.reserved_tokens()).to_dict()}
 
-    def queue_stats(self) -> QueueStats:
-        return QueueStats(self.scheduler.num_waiting, self.scheduler.num_running)
+    def queue_stats(self, waiting_reason: WaitReason | None = None) -> QueueStats:
+        sched = self.scheduler
+        return QueueStats(sched.num_waiting, sched.num_running, waiting_reason)
+
+    @property
+    def num_retractions(self) -> int:
+        return self.scheduler.num_retractions
 
     def num_waiting(self) -> int:
         return self._inbox_submits + self.scheduler.num_waiting  # two counters: O(1)
@@ -471,18 +512,26 @@ class LLM:
         self._work.set()
 
     def set_config(
-        self, max_extend_tokens: int | None = None, policy: str | None = None
+        self,
+        max_extend_tokens: int | None = None,
+        policy: str | None = None,
+        admission: str | None = None,
     ) -> dict[str, Any]:
-        """Change the budget and/or the policy from the next step on; invalid values change nothing."""
+        """Change the budget, the policy and/or the admission mode from the next step on;
+        invalid values change nothing. Requests already admitted keep the promise they were
+        admitted with (reserve: all their pages; optimistic: their prompt's)."""
         if max_extend_tokens is not None:
             check_budget(max_extend_tokens)
         if policy is not None:
             check_policy(policy)
+        if admission is not None:
+            check_admission(admission)
         with self._lock:
             cur = self._live
             self._live = LiveConfig(
                 cur.max_extend_tokens if max_extend_tokens is None else max_extend_tokens,
                 cur.policy if policy is None else policy,
+                cur.admission if admission is None else admission,
             )
         return self.config_dict()
 
@@ -532,17 +581,20 @@ class LLM:
             self._emit(pre)
         live = self._live
         t0 = self.now()
-        scheduled = self.scheduler.schedule(self._policies[live.policy], live.max_extend_tokens, t0)
+        scheduled = self.scheduler.schedule(
+            self._policies[live.policy], live.max_extend_tokens, t0, live.admission
+        )
         prev, launched = self._inflight, None
         if scheduled is not None:
             batch = scheduled.batch
-            items = tuple(
-                StepItem(r.uid, batch.kind(r), r.cached_len, r.device_len) for r in batch.reqs
-            )
+            items = tuple(_item(batch, r) for r in batch.reqs)
             # the pool and queue as this step left them: its batch admitted and allocated
-            kv, queue = self.kv_stats(), self.queue_stats()
+            kv, queue = self.kv_stats(), self.queue_stats(scheduled.waiting_reason)
             out = self.runner.launch(batch, prev.out if prev is not None else None)
-            launched = _InFlight(batch, items, scheduled.admitted, out, live, t0, kv, queue)
+            launched = _InFlight(
+                batch, items, scheduled.admitted, scheduled.retracted, out, live, t0, kv, queue,
+                self.scheduler.ratio.value,
+            )  # fmt: skip
         if not self.overlap:
             if launched is None:
                 return None
@@ -584,10 +636,21 @@ class LLM:
         tokens = step.out.result()
         t1 = self.now()
         post: list[EngineEvent] = []
+        # retracted when this step was scheduled: back in the queue, outputs kept, to be
+        # recomputed (a token in flight for it was applied with the step before)
         req_events = [
-            RequestEvent(r.uid, "admitted", step.t0, {"cached_len": r.state.cached_len})
-            for r in step.admitted
+            RequestEvent(
+                st.uid,
+                "retracted",
+                step.t0,
+                {
+                    "output_len": st.launched_tokens,
+                    "recompute_len": st.prompt_len + st.launched_tokens,
+                },
+            )
+            for st in step.retracted
         ]
+        req_events += [_admitted_event(r.state, step.t0) for r in step.admitted]
         finished = []
         gone: set[int] = set()
         for req, tok in zip(step.out.reqs, tokens, strict=True):
@@ -642,6 +705,9 @@ class LLM:
             kv=step.kv,
             queue=step.queue,
             ranks=step.out.rank_times(),
+            admission=step.live.admission,
+            new_token_ratio=step.ratio,
+            retracted=tuple(st.uid for st in step.retracted),
         )
         self._step_no += 1
         self._emit([record, *post, *req_events])

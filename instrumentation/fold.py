@@ -35,6 +35,7 @@ __all__ = [
     "Stall",
     "Summary",
     "percentile",
+    "samples",
     "request_metrics",
     "stalls",
     "summarize",
@@ -44,6 +45,17 @@ Message = dict[str, Any]
 RequestState = Literal["waiting", "running", "finished", "aborted", "rejected"]
 ENDED_STATES: frozenset[str] = frozenset(("finished", "aborted", "rejected"))
 SAMPLING_KINDS: frozenset[str] = frozenset(("prefill", "decode"))
+
+
+def samples(item: Message) -> bool:
+    """Whether a step item sampled a token: every prefill and decode, and the `recompute` piece
+    that ends a retracted request's recompute (marked `sample`); never a chunk, never wasted
+    work."""
+    if item.get("wasted"):
+        return False
+    return item.get("kind") in SAMPLING_KINDS or bool(item.get("sample"))
+
+
 BROADCAST_TYPES: frozenset[str] = frozenset(("step", "token", "request", "config"))
 # a rough size of what one ended request keeps, for the byte bound of the ended-request memory
 _RECORD_BYTES = 600
@@ -68,6 +80,7 @@ class RequestRecord:
     finish_reason: str | None = None
     message: str | None = None
     source: str | None = None
+    retractions: int = 0  # times retracted (v1.2): back to waiting, outputs kept, recomputed
     token_times: list[float] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     final_text: str | None = None
@@ -121,6 +134,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "message": self.message,
             "source": self.source,
+            "retractions": self.retractions,
         }
         if metrics:
             d["text"] = self.text
@@ -158,6 +172,8 @@ class Summary:
     worst_stall_s: float | None
     worst_stall_uid: int | None
     output_tok_s: float | None
+    retractions: int = 0  # v1.2: requests sent back to the queue to be recomputed
+    recomputed_tokens: int = 0  # tokens computed again for them
 
 
 class Fold:
@@ -192,6 +208,8 @@ class Fold:
         # every request's sampled tokens and prompt tokens, for the summary (not bounded)
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.recomputed_tokens = 0  # computed again after a retraction (not in prompt_tokens)
+        self.retractions = 0
         self._first_t0: float | None = None
         self._last_t1: float | None = None
 
@@ -245,6 +263,7 @@ class Fold:
         self.steps.extend(steps)
         self.num_steps = len(self.steps)
         self.prompt_tokens = self.output_tokens = 0
+        self.recomputed_tokens = self.retractions = 0
         self._first_t0 = self._last_t1 = None
         for step in steps:
             self._count(step)
@@ -262,16 +281,17 @@ class Fold:
             self._first_t0 = float(t0)
         if isinstance(t1, int | float):
             self._last_t1 = float(t1)
+        self.retractions += len(step.get("retracted") or ())
         for item in step.get("items") or ():
             if item.get("wasted"):
                 continue
             kind = item.get("kind")
-            if kind == "decode":
-                self.output_tokens += 1
-            else:
+            if kind == "recompute":
+                self.recomputed_tokens += int(item["end"]) - int(item["start"])
+            elif kind != "decode":
                 self.prompt_tokens += int(item["end"]) - int(item["start"])
-                if kind == "prefill":
-                    self.output_tokens += 1
+            if samples(item):
+                self.output_tokens += 1
         # aggregate steps (watched engines) carry counts instead of items
         if not step.get("items"):
             self.prompt_tokens += int(step.get("prompt_tokens") or 0)
@@ -285,7 +305,7 @@ class Fold:
         if not isinstance(number, int) or not isinstance(t1, int | float):
             return
         for item in msg.get("items") or ():
-            if item.get("kind") not in SAMPLING_KINDS or item.get("wasted"):
+            if not samples(item):
                 continue
             rec = self._live.get(item["uid"])
             if rec is None:
@@ -319,8 +339,12 @@ class Fold:
             rec.source = msg.get("source", rec.source)
         elif event == "admitted":
             rec.state = "running"
-            rec.t_admitted = t
-            rec.cached_len = msg.get("cached_len", rec.cached_len)
+            if not msg.get("recompute"):  # a readmission keeps the first admission's figures
+                rec.t_admitted = t
+                rec.cached_len = msg.get("cached_len", rec.cached_len)
+        elif event == "retracted":
+            rec.state = "waiting"
+            rec.retractions += 1
         elif event == "first_token":
             rec.t_first_token = t
             if rec.state == "waiting":
@@ -359,6 +383,15 @@ class Fold:
 
     def live_requests(self) -> list[RequestRecord]:
         return list(self._live.values())
+
+    @property
+    def waiting_reason(self) -> str | None:
+        """Why the head of the waiting queue was not admitted in the latest step (v1.2):
+        `budget`, `kv`, `max_running` or `reserved`; None when nothing waited. Admission is
+        FIFO, so every waiting request waits behind the head, for this reason."""
+        if not self.steps:
+            return None
+        return (self.steps[-1].get("queue") or {}).get("waiting_reason")
 
     @property
     def ended_bytes(self) -> int:
@@ -402,6 +435,8 @@ class Fold:
             worst_stall_s=worst[0] if worst else None,
             worst_stall_uid=worst[1] if worst else None,
             output_tok_s=self.output_tokens / span if span else None,
+            retractions=self.retractions,
+            recomputed_tokens=self.recomputed_tokens,
         )
 
 
@@ -431,7 +466,7 @@ def token_steps(steps: Sequence[Message]) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for i, step in enumerate(steps):
         for item in step.get("items") or ():
-            if item["kind"] in SAMPLING_KINDS and not item.get("wasted"):
+            if samples(item):
                 out.setdefault(item["uid"], []).append(i)
     return out
 
@@ -467,6 +502,7 @@ def _record_from_dict(row: dict[str, Any]) -> RequestRecord:
         "t_last_token", "t_finished", "finish_reason", "message", "source",
     ):  # fmt: skip
         setattr(rec, name, row.get(name))
+    rec.retractions = row.get("retractions") or 0
     rec.output_len = row.get("output_len") or 0
     metrics = row.get("metrics")
     rec.reported_metrics = metrics

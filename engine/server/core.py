@@ -41,6 +41,7 @@ from instrumentation.commands import (
 from instrumentation.errors import EngineError
 from instrumentation.publisher import Client, Publisher, PublisherConfig, is_loopback
 from instrumentation.recorder import Recorder
+from instrumentation.records import ADMISSION_MODES
 from instrumentation.trace import TraceWriter
 
 if TYPE_CHECKING:
@@ -202,7 +203,9 @@ class CommandHandler:
         self.publisher.reply(client, messages.accepted(cmd.id, uid))
 
     def _set_config(self, cmd: SetConfig) -> None:
-        values = self.llm.set_config(max_extend_tokens=cmd.max_extend_tokens, policy=cmd.policy)
+        values = self.llm.set_config(
+            max_extend_tokens=cmd.max_extend_tokens, policy=cmd.policy, admission=cmd.admission
+        )
         self.loop.wake.set()
         self.publisher.broadcast(messages.config(cmd.id, self.llm.now(), values))
 
@@ -266,6 +269,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-extend-tokens", type=_positive, default=256, help="prompt tokens per step")
     add("--policy", default="prefill_first", choices=POLICY_NAMES)
+    add(
+        "--admission",
+        default="reserve",
+        choices=ADMISSION_MODES,
+        help="reserve: promise every page a request may need; optimistic: estimate its outputs "
+        "(SGLang's new_token_ratio) and retract running requests when decode runs short (live)",
+    )
+    add(
+        "--schedule-conservativeness",
+        type=float,
+        default=1.0,
+        help="optimistic admission: scales the estimate of future outputs (SGLang's)",
+    )
+    add(
+        "--new-token-ratio-decay-steps",
+        type=_positive,
+        default=600,
+        help="optimistic admission: steps over which the estimate decays to its floor",
+    )
     add("--page-size", type=_positive, default=None, help="default: 16 on CUDA, 1 on CPU")
     add("--cache-type", default="radix", choices=CACHE_TYPES)
     add(
@@ -375,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(
             model=args.model, device=args.device, dtype=args.dtype,
             max_extend_tokens=args.max_extend_tokens, policy=args.policy,
+            admission=args.admission,
+            schedule_conservativeness=args.schedule_conservativeness,
+            new_token_ratio_decay_steps=args.new_token_ratio_decay_steps,
             page_size=args.page_size, cache_type=args.cache_type,
             cuda_graph=args.cuda_graph, overlap=args.overlap,
             residual_dtype=args.residual_dtype, batch_invariant=args.batch_invariant,
