@@ -97,6 +97,7 @@ class SchedulerSim:
         self.rng = random.Random(seed)
         self.uids = 0
         self.t = 0.0
+        self.last_reason: str | None = None  # the last step's waiting reason
 
     def submit(self, prompt: list[int], max_tokens: int) -> int:
         from engine.request import RequestState
@@ -118,6 +119,7 @@ class SchedulerSim:
         retire the ones that end (by length, or by an EOS drawn with `eos_rate`)."""
         self.t += 1.0
         s = self.scheduler.schedule(self.policies[policy], budget, self.t, admission)
+        self.last_reason = None if s is None else s.waiting_reason
         if s is None:
             return False
         self.scheduler.advance(s.batch)

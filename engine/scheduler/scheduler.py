@@ -142,7 +142,12 @@ class Scheduler:
             retracted.extend(self._make_room(self.running))
             if retracted:
                 adder.frozen = True
-            return list(self.running)
+            decodes = list(self.running)
+            for req in decodes:
+                req.device_len = req.cached_len + 1
+            # their pages first, so that admissions in this step cannot take them
+            self.kv.map_upto([(r.table_idx, r.device_len) for r in decodes])
+            return decodes
 
         prompt, decodes = policy.select(adder, self.waiting, decode)
         if retracted:
@@ -172,11 +177,9 @@ class Scheduler:
         for r in reversed(prompt):
             if isinstance(r, ChunkedReq):
                 self.waiting.appendleft(PendingReq(r.state, r))
-        for req in decodes:
-            req.device_len = req.cached_len + 1
         reqs = decodes + prompt
         self._account(adder.admitted, reqs, len(decodes))
-        self.kv.map_upto([(r.table_idx, r.device_len) for r in reqs])
+        self.kv.map_upto([(r.table_idx, r.device_len) for r in prompt])
         if not self._num_waiting:
             reason = None
         return Scheduled(
