@@ -14,7 +14,7 @@ from typing import Any
 
 from instrumentation.errors import InvalidRequest
 from instrumentation.messages import ErrorCode
-from instrumentation.records import ADMISSION_MODES
+from instrumentation.protocol import ADMISSION_MODES
 from instrumentation.sampling import SamplingParams  # torch-free: it imports torch only to sample
 
 # Bounds that keep a hostile integer from reaching the engine's tensors (int64 seeds, token ids).

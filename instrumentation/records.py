@@ -9,16 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from instrumentation.protocol import WaitReason
+
 ItemKind = Literal["chunk", "prefill", "decode", "recompute"]
 Phase = Literal["prefill", "decode", "mixed"]
 RequestEventKind = Literal[
     "queued", "admitted", "first_token", "finished", "aborted", "rejected", "retracted"
 ]
-# why the head of the waiting queue was not admitted in a step (docs/protocol.md, v1.2)
-WaitReason = Literal["budget", "kv", "max_running", "reserved"]
-WAIT_REASONS: tuple[str, ...] = ("budget", "kv", "max_running", "reserved")
-# how admission weighs a request's future outputs (docs/engine.md, "Admission modes")
-ADMISSION_MODES: tuple[str, ...] = ("reserve", "optimistic")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ import torch
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.prefix import CacheHandle, PrefixCache
 from engine.kvcache.table import PageTable
-from instrumentation.records import KVStats, WaitReason
+from instrumentation.protocol import WaitReason
+from instrumentation.records import KVStats
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -219,6 +220,12 @@ class KVManager:
         self.mapped_len[row] = 0
         self.table.release_row(row)
         assert len(pages) * ps >= len(computed_ids)
+
+    def flush_cache(self) -> int:
+        """Free every cached page no request holds (SGLang's /flush_cache); how many."""
+        pages = self.cache.evict(self.cache.evictable_pages)
+        self.allocator.free(pages)
+        return len(pages)
 
     # -- accounting ----------------------------------------------------------------------
     def stats(self, reserved_tokens: int) -> KVStats:

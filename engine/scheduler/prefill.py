@@ -18,7 +18,7 @@ from collections.abc import Callable
 from engine.kvcache.manager import KVManager, pages_for
 from engine.kvcache.prefix import CacheHandle
 from engine.request import ChunkedReq, PendingReq, Req
-from instrumentation.records import WaitReason
+from instrumentation.protocol import WaitReason
 
 # pages the running optimistic requests are estimated to need, given a new request's outputs
 Holder = Callable[[int], int]

@@ -26,7 +26,7 @@ from engine.scheduler.admission import NewTokenRatio
 from engine.scheduler.batch import Batch
 from engine.scheduler.policy import SchedulePolicy
 from engine.scheduler.prefill import PrefillAdder
-from instrumentation.records import WaitReason
+from instrumentation.protocol import WaitReason
 
 
 @dataclass(frozen=True, slots=True)
