@@ -50,6 +50,8 @@ def _generate(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[l
     llm.add_step_hook(check)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in outputs]
     out = llm.generate(prompts, params)
+    llm.remove_event_hook(ev)
+    llm.hooks.step.remove(check)
     llm.check_integrity()
     assert llm.kv_stats().used == 0 and llm.kv_stats().reserved == 0
     return [o["token_ids"] for o in out], ev
@@ -66,8 +68,6 @@ def runs(tiny_llama_dir) -> dict:
     for budget, policy in RUNS:
         llm.set_config(max_extend_tokens=budget, policy=policy)
         out[budget, policy] = _generate(llm, prompts, outputs)
-        llm._event_hooks.clear()
-        llm._step_hooks.clear()
     return out
 
 
