@@ -80,7 +80,7 @@ class RequestRecord:
     finish_reason: str | None = None
     message: str | None = None
     source: str | None = None
-    retractions: int = 0  # times retracted (v1.2): back to waiting, outputs kept, recomputed
+    retractions: int = 0  # times retracted (v1.3): back to waiting, outputs kept, recomputed
     token_times: list[float] = field(default_factory=list)
     token_steps: list[int] = field(default_factory=list)  # the step number of each token
     pieces: list[str] = field(default_factory=list)
@@ -183,7 +183,7 @@ class Summary:
     last_step: int | None = None
     # prompt tokens served by the prefix cache over prompt tokens of the admitted requests
     prefix_hit_rate: float | None = None
-    retractions: int = 0  # v1.2: requests sent back to the queue, to be recomputed
+    retractions: int = 0  # v1.3: requests sent back to the queue, to be recomputed
     recomputed_tokens: int = 0  # tokens computed again for them (not in prompt_tokens)
 
 
@@ -385,7 +385,7 @@ class Fold:
 
     @property
     def waiting_reason(self) -> str | None:
-        """Why the head of the waiting queue was not admitted in the latest step (v1.2):
+        """Why the head of the waiting queue was not admitted in the latest step (v1.3):
         `budget`, `kv`, `max_running` or `reserved`; None when nothing waited. Admission is
         FIFO, so every waiting request waits behind the head, for this reason."""
         if not self.steps:
@@ -551,7 +551,7 @@ def step_tokens(step: Message) -> tuple[int, int]:
 
 def samples(item: Message) -> bool:
     """Whether a step item sampled a token: every prefill and decode, and the `recompute` piece
-    that ends a retracted request's recompute (marked `sample`, v1.2); never a chunk, never
+    that ends a retracted request's recompute (marked `sample`, v1.3); never a chunk, never
     wasted work."""
     if item.get("wasted"):
         return False
@@ -559,7 +559,7 @@ def samples(item: Message) -> bool:
 
 
 def step_recompute(step: Message) -> tuple[int, int]:
-    """(requests retracted, tokens recomputed) in a step (v1.2)."""
+    """(requests retracted, tokens recomputed) in a step (v1.3)."""
     recomputed = sum(
         int(i["end"]) - int(i["start"])
         for i in step.get("items") or ()

@@ -18,10 +18,10 @@ __all__ = [
 ]
 
 RequestState = Literal["waiting", "running", "finished", "aborted", "rejected"]
-# why the head of the waiting queue was not admitted in a step (v1.2)
+# why the head of the waiting queue was not admitted in a step (v1.3)
 WaitReason = Literal["budget", "kv", "max_running", "reserved"]
 WAIT_REASONS: tuple[str, ...] = ("budget", "kv", "max_running", "reserved")
-# how admission weighs a request's future outputs (`set_config`'s `admission`, v1.2)
+# how admission weighs a request's future outputs (`set_config`'s `admission`, v1.3)
 ADMISSION_MODES: tuple[str, ...] = ("reserve", "optimistic")
 # a request in one of these states has ended: no step lists it again
 ENDED_STATES: frozenset[str] = frozenset(("finished", "aborted", "rejected"))
