@@ -171,7 +171,7 @@ class ModelRunner:
             ids=ids,
             patch_dst=dst,
             patch_src=src,
-            sample=[i for i, r in enumerate(reqs) if batch.kind(r) != "chunk"],
+            sample=[i for i, r in enumerate(reqs) if batch.samples(r)],
             decode=batch.phase == "decode",
             spans=spans,
             slots=slots,
