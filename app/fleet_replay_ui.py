@@ -24,17 +24,16 @@ from typing import Any
 
 import streamlit as st
 
-from app import fleet_ui
+from app import compare, fleet_ui
 from app.fleet_replay import FLEET, FleetRecording, FleetReplay, compare_rows, trace_dir_from
-from app.live.component import LIVE_EVERY_S
-from app.live.component import live_charts as _live_charts
-from app.live.feed import ViewOptions
+from app.live.component import recording_charts
+from app.live.feed import Recorded
 from app.panels import _captions
 from app.replay import MAX_SPEED, MIN_SPEED
 
 SPEEDS = (1, 2, 5, 10, 20, 50)
 PLAY_REFRESH_S = 0.5
-REPLAY_WINDOW = 5_000  # steps each replica's charts keep: a recording is usually shown whole
+CHARTS_LINK = "fleet-replay"  # the replicas' charts zoom and pan together
 NO_ENGINE = "a replay has no engine to act on (clear the fleet recording to go back to engines)."
 assert MIN_SPEED == SPEEDS[0] and MAX_SPEED == SPEEDS[-1]
 
@@ -62,6 +61,15 @@ def _close(replay: FleetReplay) -> None:
 @st.cache_resource(max_entries=1, on_release=_close, show_spinner=False)
 def fleet_replay(folder: str) -> FleetReplay:
     return FleetReplay(load(folder))
+
+
+@st.cache_resource(max_entries=1, show_spinner=False)
+def _axes(folder: str) -> dict[str, dict[str, Any]]:
+    """One scale for every replica's charts: the fleet's whole time span, and the tallest batch
+    of any replica (so nothing rescales while the recording plays)."""
+    fleet = load(folder)
+    top = max(compare.batch_peak([r.messages[i] for i in r.step_at]) for r in fleet.recordings)
+    return {"time": {"x": [fleet.start, fleet.end], "y_top": top}}
 
 
 @st.cache_resource(max_entries=1, show_spinner=False)
@@ -162,9 +170,27 @@ def _player(folder: str, timed: bool) -> None:
 # ---- the page ---------------------------------------------------------------------------------
 
 
-def _replica_charts(folder: str, i: int) -> None:
-    opts = ViewOptions(window=REPLAY_WINDOW, xmode="time")
-    _live_charts(_shifted(folder)[i], f"fleet-replay-charts-{i}", opts, _captions)
+def _charts(folder: str) -> None:
+    """Every replica as it stood at the scrubber's time, drawn whole on one scale (the fleet's
+    time span on x): the same place on the page is the same moment on every replica."""
+    replay = fleet_replay(folder)
+    fleet = replay.fleet
+    axes = _axes(folder)
+    for i, (name, src) in enumerate(zip(fleet.names, replay.sources, strict=True)):
+        st.markdown(f"#### {name} · `{src.recording.name}`")
+        shown = _shifted(folder)[i].delta(None)
+        config = shown.config or {}
+        recording_charts(
+            f"fleet-replay-charts-{i}",
+            Recorded(shown.steps, shown.requests, shown.engine, config),
+            title=f"{name}: up to step {src.current_step}"
+            if src.current_step is not None
+            else f"{name}: no step yet",
+            axes=axes,
+            link=CHARTS_LINK,
+            xmode="time",
+            captions=_captions(config.get("policy")),
+        )
 
 
 def _fmt(value: Any) -> Any:
@@ -208,14 +234,20 @@ def render(opened: Opened) -> None:
     if not fleet.aligned:
         st.warning("Some traces carry no clock_epoch (an older server): those replicas are drawn "
                    "on their own clock, not aligned with the others.")  # fmt: skip
-    every = PLAY_REFRESH_S if replay.playing else None
-    st.fragment(_player, run_every=every)(opened.folder, every is not None)
+    # Paused, the page is static and a scrub reruns it whole (charts included); playing, the
+    # player and the charts redraw themselves every PLAY_REFRESH_S.
+    playing = replay.playing
+    if playing:
+        st.fragment(_player, run_every=PLAY_REFRESH_S)(opened.folder, True)
+    else:
+        _player(opened.folder, False)
     fleet_ui.controls_form(replay.links, disabled=NO_ENGINE)
     urls = tuple(link.url for link in replay.links)
     fleet_ui.prompt_form(replay.links, fleet_ui.FleetSpec(urls, source=str(fleet.folder)),
                          disabled=NO_ENGINE)  # fmt: skip
     if opened.compare:
         comparison(fleet, opened.compare)
-    for i, (name, rec) in enumerate(zip(fleet.names, fleet.recordings, strict=True)):
-        st.markdown(f"#### {name} · `{rec.name}`")
-        st.fragment(_replica_charts, run_every=LIVE_EVERY_S)(opened.folder, i)
+    if playing:
+        st.fragment(_charts, run_every=PLAY_REFRESH_S)(opened.folder)
+    else:
+        _charts(opened.folder)

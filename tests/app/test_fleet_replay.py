@@ -205,13 +205,13 @@ def fleet_app(fleet_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AppT
     st.cache_resource.clear()
 
 
-def _charts(at: AppTest) -> dict[str, dict]:
-    """The live charts' payloads on the page, by key."""
-    out = {}
+def _charts(at: AppTest) -> list[dict]:
+    """The charts' payloads on the page, in order."""
+    out = []
     for e in at.get("bidi_component"):
         data = json.loads(e.proto.json)
-        if e.proto.component_name == "stepscope.live" and not data.get("static"):
-            out[e.proto.id] = data
+        if e.proto.component_name == "stepscope.live" and data.get("mode", "charts") == "charts":
+            out.append(data)
     return out
 
 
@@ -228,8 +228,13 @@ def test_the_page_replays_a_fleet_recording_with_its_controls_disabled(
     charts = _charts(at)
     assert len(charts) == 2  # both replicas drawn
     fleet = FleetRecording.load(fleet_dir)
-    for data, rec in zip(charts.values(), fleet.recordings, strict=True):
+    for data, rec, off in zip(charts, fleet.recordings, fleet.offsets, strict=True):
         assert data["steps"]["step"] == list(rec.step_numbers)  # each whole, at the end
+        # on one clock, one scale: the fleet's time span, this replica's times shifted onto it
+        assert data["axes"]["time"]["x"] == pytest.approx([fleet.start, fleet.end])
+        assert data["link"] == "fleet-replay"
+        first = rec.messages[rec.step_at[0]]
+        assert data["steps"]["t0"][0] == pytest.approx(first["t0"] + off)
     # every control that cannot act is disabled, with the reason
     assert at.selectbox(key="fleet_target").disabled
     assert at.select_slider(key="fleet_budget").disabled
@@ -248,9 +253,7 @@ def test_the_page_replays_a_fleet_recording_with_its_controls_disabled(
     [scrubber] = [s for s in at.slider if s.key and s.key.startswith("fleet_replay_t_")]
     scrubber.set_value(0.2).run()
     assert not at.exception, at.exception
-    at.session_state["live_seen"] = {}  # as a newly opened browser
-    at.run()
-    for data, rec, off in zip(_charts(at).values(), fleet.recordings, fleet.offsets, strict=True):
+    for data, rec, off in zip(_charts(at), fleet.recordings, fleet.offsets, strict=True):
         want = [rec.messages[i]["step"] for i in rec.step_at if rec.messages[i]["t1"] + off <= 0.2]
         assert data["steps"]["step"] == want
     assert len(want) < fleet.recordings[1].num_steps
