@@ -127,8 +127,8 @@ def _player(folder: str, timed: bool) -> None:
     else:
         picked = cols[0].slider(label, 0.0, span, now, step=0.01, help=help_,
                                 key=f"fleet_replay_t_{replay.generation}")  # fmt: skip
-        if abs(picked - now) > 1e-6:
-            replay.seek(fleet.start + picked, moved_here=True)
+        if abs(picked - now) > 1e-6:  # the slider's end is the recording's end, not rounded
+            replay.seek(fleet.end if picked >= span else fleet.start + picked, moved_here=True)
     if cols[1].button(
         ":material/pause: Pause" if replay.playing else ":material/play_arrow: Play",
         key="fleet_replay_play",
