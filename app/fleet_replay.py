@@ -115,8 +115,12 @@ class FleetRecording:
 
     @property
     def start(self) -> float:
-        """The fleet clock's first moment any trace recorded."""
-        return min(r.times[0] + off for r, off in zip(self.recordings, self.offsets, strict=True))
+        """The fleet clock's first step (a trace without steps: its first message)."""
+        firsts = []
+        for r, off in zip(self.recordings, self.offsets, strict=True):
+            t0 = r.messages[r.step_at[0]].get("t0") if r.step_at else None
+            firsts.append((float(t0) if isinstance(t0, int | float) else r.times[0]) + off)
+        return min(firsts)
 
     @property
     def end(self) -> float:

@@ -16,6 +16,7 @@ the same replay at the same position.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -118,17 +119,20 @@ def _player(folder: str, timed: bool) -> None:
     fleet = replay.fleet
     if timed and not replay.playing:  # playback ended: drop this fragment's timer
         st.rerun()
-    span = round(fleet.end - fleet.start, 2)
-    now = round(replay.position - fleet.start, 2)
+    # the scrubber reads the fleet's clock, as the charts' x axis does
+    lo, hi = math.floor(fleet.start * 100) / 100, math.ceil(fleet.end * 100) / 100
+    now = min(max(round(replay.position, 2), lo), hi)
     cols = st.columns([7, 1.2, 2.2])
-    label, help_ = "Fleet time (s)", "Every replica as it stood at this time on the fleet's clock."
-    if replay.playing or span <= 0:  # moving (or nothing to move): shown, not set
-        cols[0].slider(label, 0.0, max(span, 0.01), now, disabled=True, help=help_)
+    label = "Fleet time (s)"
+    help_ = "Every replica as it stood at this time on the fleet's clock (the charts' x axis)."
+    if replay.playing or hi <= lo:  # moving (or nothing to move): shown, not set
+        cols[0].slider(label, lo, max(hi, lo + 0.01), now, disabled=True, help=help_)
     else:
-        picked = cols[0].slider(label, 0.0, span, now, step=0.01, help=help_,
+        picked = cols[0].slider(label, lo, hi, now, step=0.01, help=help_,
                                 key=f"fleet_replay_t_{replay.generation}")  # fmt: skip
-        if abs(picked - now) > 1e-6:  # the slider's end is the recording's end, not rounded
-            replay.seek(fleet.end if picked >= span else fleet.start + picked, moved_here=True)
+        if abs(picked - now) > 1e-6:  # the slider's ends are the recording's, not rounded
+            t = fleet.end if picked >= hi else fleet.start if picked <= lo else picked
+            replay.seek(t, moved_here=True)
     if cols[1].button(
         ":material/pause: Pause" if replay.playing else ":material/play_arrow: Play",
         key="fleet_replay_play",
@@ -145,8 +149,8 @@ def _player(folder: str, timed: bool) -> None:
         replay.set_speed(float(speed))
     state = "playing" if replay.playing else "at the end" if replay.at_end else "paused"
     st.caption(
-        f"t = {replay.position - fleet.start:.2f} s of {fleet.end - fleet.start:.2f} s on the "
-        f"fleet's clock · {state}. "
+        f"t = {replay.position:.2f} s on the fleet's clock ({replay.position - fleet.start:.2f} "
+        f"s of the {fleet.end - fleet.start:.2f} s from the first step to the last) · {state}. "
         + " · ".join(
             f"{name}: step {src.current_step}"
             for name, src in zip(fleet.names, replay.sources, strict=True)
@@ -228,8 +232,8 @@ def render(opened: Opened) -> None:
     st.markdown(f"## :material/hub: stepscope: a fleet recording of {n} replicas")
     st.caption(
         f"Replaying `{fleet.folder}`: each replica's trace through its own replay, every "
-        "replica on one clock (seconds since the first engine started, by each trace's "
-        "`hello.engine.clock_epoch`). No engine: nothing can be sent."
+        "replica on one clock (the first engine's, by each trace's `hello.engine.clock_epoch`) "
+        "and one scale. No engine: nothing can be sent."
     )
     if not fleet.aligned:
         st.warning("Some traces carry no clock_epoch (an older server): those replicas are drawn "
