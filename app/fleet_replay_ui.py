@@ -88,8 +88,7 @@ def _shifted(folder: str) -> list[fleet_ui.ClockShift]:
 def sidebar() -> Opened:
     """The sidebar's "Fleet recording": which fleet recording (if any) the page replays."""
     given = trace_dir_from(sys.argv[1:], os.environ)
-    with st.sidebar:
-        st.subheader("Fleet recording")
+    with st.sidebar.expander("Fleet recording", expanded=given is not None):
         typed = st.text_input(
             "Open fleet recording",
             key="fleet_trace_path",

@@ -30,16 +30,18 @@ from tests.app.app_peer import SimEngine
 ROOT = Path(__file__).resolve().parents[2]
 APP = str(ROOT / "app" / "main.py")
 EPOCH = 1_765_000_000.0
+T0 = 5.0  # each engine's clock when its recording starts (an engine is up before it records)
 
 
 def record_replica(path: Path, epoch: float | None, n: int, cached: int, seed: int) -> None:
     """A replica's --trace: its hello (with `clock_epoch`), then `n` requests run to the end;
     each admitted prompt finds `cached` of its tokens in the prefix cache."""
     sim = SimEngine(max_extend_tokens=24)
+    sim.now = T0
     engine = {"model": "sim", "instance": f"r{seed}"}
     if epoch is not None:
         engine["clock_epoch"] = epoch
-    out = [messages.hello(0.0, engine, dict(sim.config), {"steps": [], "requests": []})]
+    out = [messages.hello(T0, engine, dict(sim.config), {"steps": [], "requests": []})]
     for k in range(n):
         out += sim.submit(prompt_len=30 + 9 * k + seed, max_tokens=5 + k)[1]
     while sim.busy:
@@ -76,7 +78,7 @@ def test_a_fleet_recording_loads_its_replicas_on_one_clock(fleet_dir: Path, tmp_
     assert fleet.numbers == (0, 1) and fleet.names == ["replica 0", "replica 1"]
     assert fleet.offsets == pytest.approx((0.0, 0.3)) and fleet.aligned
     ends = [r.times[-1] + off for r, off in zip(fleet.recordings, fleet.offsets, strict=True)]
-    assert fleet.start == 0.0 and fleet.end == pytest.approx(max(ends))
+    assert fleet.start == T0 and fleet.end == pytest.approx(max(ends))
     # a trace without clock_epoch (an older server) is drawn on its own clock, and said so
     old = FleetRecording.load(make_fleet(tmp_path / "old", [EPOCH, None]))
     assert old.offsets == (0.0, 0.0) and not old.aligned
@@ -112,7 +114,7 @@ def test_a_seek_shows_each_replica_as_it_stood_at_that_fleet_time(fleet_dir: Pat
     for src, full in zip(replay.sources, whole, strict=True):
         assert src.store.snapshot().steps == full.store.snapshot().steps
     all_t1 = [[s["t1"] for s in full.store.snapshot().steps] for full in whole]
-    for t in (0.05, 0.2, 0.31, fleet.end / 2, 0.0):  # forwards and back (a rewind)
+    for t in (T0 + 0.05, T0 + 0.2, T0 + 0.31, (T0 + fleet.end) / 2, T0):  # and back (a rewind)
         gen = replay.generation
         replay.seek(t)
         assert replay.position == pytest.approx(t) and replay.generation == gen + 1
@@ -124,10 +126,12 @@ def test_a_seek_shows_each_replica_as_it_stood_at_that_fleet_time(fleet_dir: Pat
     assert published(replay.sources[0]) and not published(replay.sources[1])
     # the scrubber's own move keeps the generation (its widget already shows the time)
     gen = replay.generation
-    replay.seek(0.1, moved_here=True)
+    replay.seek(T0 + 0.1, moved_here=True)
     assert replay.generation == gen
     replay.seek(fleet.end + 5)
     assert replay.position == fleet.end and replay.at_end
+    replay.seek(0.0)  # before the recording: its start
+    assert replay.position == fleet.start == T0
 
 
 def test_playing_moves_every_replica_on_the_fleets_clock(fleet_dir: Path) -> None:
@@ -138,13 +142,13 @@ def test_playing_moves_every_replica_on_the_fleets_clock(fleet_dir: Path) -> Non
     assert replay.playing and replay.position == fleet.start and replay.speed == 10
     wall[0] += 0.02  # 0.2 s of the recording at 10x
     replay.tick()
-    assert replay.position == pytest.approx(0.2)
+    assert replay.position == pytest.approx(T0 + 0.2)
     for src, off in zip(replay.sources, fleet.offsets, strict=True):
-        assert all(t + off <= 0.2 for t in published(src))
+        assert all(t + off <= T0 + 0.2 for t in published(src))
     replay.pause()
     wall[0] += 1.0
     replay.tick()  # paused: nothing moves
-    assert replay.position == pytest.approx(0.2) and not replay.playing
+    assert replay.position == pytest.approx(T0 + 0.2) and not replay.playing
     replay.play(50)
     wall[0] += 100.0
     replay.tick()
@@ -249,12 +253,15 @@ def test_the_page_replays_a_fleet_recording_with_its_controls_disabled(
     assert list(table["requests"]) == [3, 4, 7]
     assert any("whole recording" in c.value for c in at.caption)
 
-    # the scrubber: both replicas shown as they stood at t = 0.2 s on the fleet's clock
+    # the scrubber reads the fleet's clock, as the charts' x axis: both replicas shown as they
+    # stood at 0.2 s after the first step
     [scrubber] = [s for s in at.slider if s.key and s.key.startswith("fleet_replay_t_")]
-    scrubber.set_value(0.2).run()
+    assert (scrubber.min, scrubber.max) == (T0, pytest.approx(fleet.end, abs=0.01))
+    scrubber.set_value(T0 + 0.2).run()
     assert not at.exception, at.exception
     for data, rec, off in zip(_charts(at), fleet.recordings, fleet.offsets, strict=True):
-        want = [rec.messages[i]["step"] for i in rec.step_at if rec.messages[i]["t1"] + off <= 0.2]
+        want = [rec.messages[i]["step"] for i in rec.step_at
+                if rec.messages[i]["t1"] + off <= T0 + 0.2]  # fmt: skip
         assert data["steps"]["step"] == want
     assert len(want) < fleet.recordings[1].num_steps
 
