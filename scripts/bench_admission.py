@@ -123,10 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--num-requests", "--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32, help="prompts of half this to this")
-    ap.add_argument("--max-tokens", type=int, default=128, help="every request's cap")
+    ap.add_argument(
+        "--max-tokens", "--max-output", type=int, default=128, help="every request's cap"
+    )
     ap.add_argument("--pool-tokens", type=int, default=1024, help="KV pool size in tokens")
+    ap.add_argument("--num-pages", type=int, help="KV pool size in pages (over --pool-tokens)")
     ap.add_argument("--max-running-req", type=int, default=32)
     ap.add_argument("--budget", type=int, default=256, help="max_extend_tokens")
     ap.add_argument("--policy", default="mixed", choices=["prefill_first", "mixed"])
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     page = 16 if args.device == "cuda" else 1
     llm = LLM(
         args.model, device=args.device, load_format=args.load_format, page_size=page,
-        num_pages=args.pool_tokens // page, max_running_req=args.max_running_req,
+        num_pages=args.num_pages or args.pool_tokens // page, max_running_req=args.max_running_req,
         max_seq_len=args.prompt_len + args.max_tokens, max_extend_tokens=args.budget,
         policy=args.policy, progress=False,
     )  # fmt: skip
