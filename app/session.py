@@ -95,12 +95,14 @@ IGNORE_EOS = Field[bool]("ignore_eos", False)
 BUDGET_SLIDER = Field[int]("budget_slider", DEFAULT_BUDGET)
 BUDGET_EXACT = Field[int]("budget_exact", DEFAULT_BUDGET)
 POLICY = Field[str]("policy", controls.POLICIES[0])
+ADMISSION = Field[str]("admission", controls.ADMISSIONS[0])
 SYNCED_CONFIG = Field["dict[str, Any] | None"]("synced_config")
 OWN_CONFIGS = Field["list[tuple[dict[str, Any], float]]"]("own_configs", factory=list)
 # a control's value from before a sync, and when it was replaced: (value, monotonic time)
 STALE = {
     "max_extend_tokens": Field["tuple[Any, float] | None"]("stale_max_extend_tokens"),
     "policy": Field["tuple[Any, float] | None"]("stale_policy"),
+    "admission": Field["tuple[Any, float] | None"]("stale_admission"),
 }
 # notices and runs
 NOTICES = Field["list[Notice]"]("notices", factory=list)
