@@ -223,6 +223,12 @@ def settle_held() -> None:
             items[k] = settled
 
 
+def awaiting_engine() -> bool:
+    """This run drew the page before the engine was ready for it: the scheduling controls are
+    missing, or a notice says a prompt or workload is held."""
+    return CONTROLS_WAITING.get() or any(n.held is not None for n in notices())
+
+
 def controls_waiting(waiting: bool) -> None:
     """The full page drew the sidebar without the scheduling controls (no engine config yet)."""
     CONTROLS_WAITING.set(waiting)
