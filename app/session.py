@@ -56,7 +56,9 @@ class Field(Generic[T]):
         self._factory = factory
 
     def _new(self) -> T:
-        return self._factory() if self._factory is not None else self._default  # type: ignore[return-value]
+        if self._factory is not None:
+            return self._factory()
+        return self._default  # type: ignore[return-value]  # None for an optional field
 
     def get(self) -> T:
         ss = st.session_state
