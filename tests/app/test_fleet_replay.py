@@ -274,3 +274,8 @@ def test_the_page_replays_a_fleet_recording_with_its_controls_disabled(
     assert list(compared.columns) == ["replica", "figure", "A", "B", "B − A"]
     fleet_rows = compared[compared["replica"] == FLEET]
     assert list(fleet_rows["figure"]) == [label for label, _ in FIGURES]
+
+    # a folder that is no fleet recording, typed in the sidebar: a clear error
+    at.text_input(key="fleet_trace_path").set_value(str(tmp_path / "nothing")).run()
+    assert not at.exception, at.exception
+    assert any("is not a folder" in e.value for e in at.error)

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.fleet_replay import FleetRecording
-from engine.server.fleet import Fleet, FleetInfo, free_port
+from engine.server.fleet import Fleet, FleetInfo, build_parser, free_port
 from engine.server.openai_schema import ApiError
 from engine.server.sglang_api import to_completion_body
 
@@ -92,6 +92,7 @@ def test_a_fleet_refuses_settings_it_owns() -> None:
         Fleet(1, [], router_policy="power_of_two")
     with pytest.raises(ValueError, match="at least 1"):
         Fleet(0, [])
+    assert build_parser().parse_args(["--trace-dir", "D"]).trace_dir == Path("D")
     for one_file in (["--trace", "t.jsonl"], ["--trace=t.jsonl"]):
         with pytest.raises(ValueError, match="--trace-dir"):
             Fleet(2, one_file)
