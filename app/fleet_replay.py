@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from app.replay import MAX_SPEED, MIN_SPEED, PLAY_TICK_S, Recording, ReplayLink, ReplaySource
-from instrumentation.fold import Summary, summarize, summarize_fleet
+from instrumentation.fleet import summarize_fleet
+from instrumentation.fold import Summary, summarize
 
 TRACE_RE = re.compile(r"replica-(\d+)\.jsonl")  # engine.server.fleet's TRACE_NAME
 # (label, Summary field): the figures of the comparison table, in order

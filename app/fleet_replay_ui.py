@@ -165,8 +165,8 @@ def _player(folder: str, timed: bool) -> None:
         rows,
         caption="The figures (requests to worst stall) cover each replica's whole recording "
         "(instrumentation.fold.summarize of its trace) and, in the last row, the whole fleet's "
-        "(summarize_fleet: requests pooled, tokens over the fleet's span); running, waiting, KV "
-        "and the config are each replica's at the scrubber's time.",
+        "(instrumentation.fleet.summarize_fleet: requests pooled, tokens over the fleet's "
+        "span); running, waiting, KV and the config are each replica's at the scrubber's time.",
     )
 
 
@@ -212,8 +212,9 @@ def comparison(fleet: FleetRecording, folder: str) -> None:
     st.caption(
         f"A: `{fleet.folder}` ({len(fleet.recordings)} replicas) · B: `{other.folder}` "
         f"({len(other.recordings)} replicas). Each replica's figures are "
-        "instrumentation.fold.summarize of its whole trace; the fleet's, summarize_fleet of all "
-        "of them (requests pooled, output tokens over the fleet's span on one clock). The "
+        "instrumentation.fold.summarize of its whole trace; the fleet's, "
+        "instrumentation.fleet.summarize_fleet of all of them (requests pooled, output tokens "
+        "over the fleet's span on one clock). The "
         "prefix-cache hit rate is the share of admitted prompt tokens the radix cache served."
     )
 
