@@ -56,8 +56,10 @@ def replica_files(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """The folder's replica traces by replica number; ValueError saying what is wrong."""
     path = Path(folder).expanduser()
     if not path.is_dir():
-        raise ValueError(f"{path} is not a folder (a fleet recording is a folder of "
-                         "replica-<i>.jsonl, from python -m engine.server.fleet --trace-dir)")  # fmt: skip
+        raise ValueError(
+            f"{path} is not a folder (a fleet recording is a folder of replica-<i>.jsonl, "
+            "from python -m engine.server.fleet --trace-dir)"
+        )
     found = sorted(
         (int(m.group(1)), p) for p in path.iterdir() if (m := TRACE_RE.fullmatch(p.name))
     )
