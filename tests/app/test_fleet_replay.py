@@ -169,10 +169,9 @@ def test_the_figures_are_the_shared_folds(fleet_dir: Path, tmp_path: Path) -> No
     assert total.output_tokens == sum(s.output_tokens for s in parts)
     assert total.steps == sum(s.steps for s in parts)
     # the span runs on the fleet's clock: from replica 0's first step to the later last step
-    starts = [r.messages[r.step_at[0]]["t0"] + off for r, off in zip(fleet.recordings,
-                                                                    fleet.offsets, strict=True)]  # fmt: skip
-    ends = [r.messages[r.step_at[-1]]["t1"] + off for r, off in zip(fleet.recordings,
-                                                                   fleet.offsets, strict=True)]  # fmt: skip
+    pairs = list(zip(fleet.recordings, fleet.offsets, strict=True))
+    starts = [r.messages[r.step_at[0]]["t0"] + off for r, off in pairs]
+    ends = [r.messages[r.step_at[-1]]["t1"] + off for r, off in pairs]
     assert total.duration_s == pytest.approx(max(ends) - min(starts))
     assert total.output_tok_s == pytest.approx(total.output_tokens / total.duration_s)
     hit = total.prefix_hit_rate
