@@ -175,9 +175,9 @@ def test_the_fleet_records_a_trace_per_replica_on_one_clock(fleet: FleetInfo) ->
     assert fleet.trace_dir is not None
     traces = [r.trace for r in fleet.replicas]
     assert traces == [str(Path(fleet.trace_dir) / f"replica-{i}.jsonl") for i in (0, 1)]
-    served_now = [served(r.http) for r in fleet.replicas]
     deadline = time.monotonic() + 30  # a request's last message reaches the trace as it ends
     while True:
+        served_now = [served(r.http) for r in fleet.replicas]
         recording = FleetRecording.load(fleet.trace_dir)
         finished = [s.finished for s in recording.summaries]
         if finished == served_now or time.monotonic() > deadline:
