@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,7 +185,7 @@ def _charts(folder: str) -> None:
         shown = _shifted(folder)[i].delta(None)
         config = shown.config or {}
         recording_charts(
-            f"fleet-replay-charts-{i}",
+            f"fleet-replay-charts-{zlib.crc32(folder.encode()):08x}-{i}",  # one per recording
             Recorded(shown.steps, shown.requests, shown.engine, config),
             title=f"{name}: up to step {src.current_step}"
             if src.current_step is not None
