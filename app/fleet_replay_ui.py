@@ -46,6 +46,11 @@ class Opened:
     compare: str | None  # a second one to compare it with
 
 
+def _tag(folder: str) -> str:
+    """A short name of the recording for the keys of its widgets (a new one starts afresh)."""
+    return f"{zlib.crc32(folder.encode()):08x}"
+
+
 def _norm(folder: str) -> str:
     return str(Path(folder).expanduser().resolve())
 
@@ -129,7 +134,7 @@ def _player(folder: str, timed: bool) -> None:
         cols[0].slider(label, lo, max(hi, lo + 0.01), now, disabled=True, help=help_)
     else:
         picked = cols[0].slider(label, lo, hi, now, step=0.01, help=help_,
-                                key=f"fleet_replay_t_{replay.generation}")  # fmt: skip
+                                key=f"fleet_replay_t_{_tag(folder)}_{replay.generation}")  # fmt: skip
         if abs(picked - now) > 1e-6:  # the slider's ends are the recording's, not rounded
             t = fleet.end if picked >= hi else fleet.start if picked <= lo else picked
             replay.seek(t, moved_here=True)
@@ -185,7 +190,7 @@ def _charts(folder: str) -> None:
         shown = _shifted(folder)[i].delta(None)
         config = shown.config or {}
         recording_charts(
-            f"fleet-replay-charts-{zlib.crc32(folder.encode()):08x}-{i}",  # one per recording
+            f"fleet-replay-charts-{_tag(folder)}-{i}",
             Recorded(shown.steps, shown.requests, shown.engine, config),
             title=f"{name}: up to step {src.current_step}"
             if src.current_step is not None
