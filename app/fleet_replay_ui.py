@@ -157,7 +157,8 @@ def _player(folder: str, timed: bool) -> None:
         f"t = {replay.position:.2f} s on the fleet's clock ({replay.position - fleet.start:.2f} "
         f"s of the {fleet.end - fleet.start:.2f} s from the first step to the last) · {state}. "
         + " · ".join(
-            f"{name}: step {src.current_step}"
+            f"{name}: "
+            + ("no step yet" if src.current_step is None else f"step {src.current_step}")
             for name, src in zip(fleet.names, replay.sources, strict=True)
         )  # fmt: skip
     )
