@@ -133,8 +133,8 @@ def _player(folder: str, timed: bool) -> None:
     if replay.playing or hi <= lo:  # moving (or nothing to move): shown, not set
         cols[0].slider(label, lo, max(hi, lo + 0.01), now, disabled=True, help=help_)
     else:
-        picked = cols[0].slider(label, lo, hi, now, step=0.01, help=help_,
-                                key=f"fleet_replay_t_{_tag(folder)}_{replay.generation}")  # fmt: skip
+        key = f"fleet_replay_t_{_tag(folder)}_{replay.generation}"
+        picked = cols[0].slider(label, lo, hi, now, step=0.01, help=help_, key=key)
         if abs(picked - now) > 1e-6:  # the slider's ends are the recording's, not rounded
             t = fleet.end if picked >= hi else fleet.start if picked <= lo else picked
             replay.seek(t, moved_here=True)
