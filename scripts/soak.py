@@ -43,8 +43,8 @@ from bench_server import random_submit  # noqa: E402  (the same random mix as it
 def model_path(name: str, tmp: Path) -> str:
     if name != "tiny":
         return name
+    from engine.checks.models import make_tiny
     from engine.models.loader import resolve
-    from tests.models import make_tiny
 
     return str(make_tiny("llama", tmp, resolve("smollm2", progress=False).path))
 
