@@ -27,7 +27,6 @@ from engine.kvcache.manager import KVSnapshot, pages_for
 from engine.request import RequestState
 from engine.step import Command, Hooks, StepPipeline
 from instrumentation.errors import InvalidRequest, NotFound, TooLarge
-from instrumentation.metrics import request_metrics
 from instrumentation.records import EngineEvent, KVStats, QueueStats, StepRecord
 from instrumentation.sampling import SamplingParams
 
@@ -156,6 +155,7 @@ class LLM:
         self.hooks.event.append(fn)
 
     def remove_event_hook(self, fn: Callable[[EngineEvent], None]) -> None:
+        """Stop calling fn (added by `add_event_hook`); ValueError if it was not added."""
         self.hooks.event.remove(fn)
 
     def add_wait_hook(self, fn: Callable[[], None]) -> None:
@@ -299,7 +299,7 @@ class LLM:
             "finish_reason": st.finish_reason,
             "prompt_len": st.prompt_len,
             "cached_len": st.cached_len,
-            "metrics": request_metrics(st.t_queued, st.t_admitted, st.token_times),
+            "metrics": st.metrics(),
         }
 
     # -- offline -------------------------------------------------------------------------

@@ -85,6 +85,10 @@ class Launched:
 
 
 class ModelRunner:
+    # Prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs
+    # (engine.piecewise_graph) where decode graphs are on; 0 runs them eagerly, as before.
+    piecewise_max_tokens = 4096
+
     def __init__(
         self,
         model: CausalLM,
@@ -119,6 +123,15 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     model, backend, table, pad_page, pool.page_size, max_batch, device
                 )
+        self.pieces = None
+        if self.graphs is not None and self.piecewise_max_tokens > 0 and model.tp.size == 1:
+            from engine.piecewise_graph import PiecewiseGraphs
+
+            assert pad_page is not None
+            pad_slot = pad_page * pool.page_size
+            self.pieces = PiecewiseGraphs(
+                model, backend, pad_slot, self.piecewise_max_tokens, device
+            )
 
     # -- rank 0: from a batch to a plan -----------------------------------------------------
     def input_ids(
@@ -237,6 +250,8 @@ class ModelRunner:
         if the plan patches some input ids from them."""
         if self.graphs is not None and plan.decode and self.graphs.fits(len(plan.rows)):
             return self._replay_decode(plan, prev)
+        if self.pieces is not None and self.pieces.fits(len(plan.ids)):
+            return self._replay_pieces(plan, prev)
         return self._run_eager(plan, prev)
 
     def _replay_decode(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
@@ -251,6 +266,40 @@ class ModelRunner:
             fill=lambda io: self.patch(io, plan.patch_dst, plan.patch_src, prev),
         )
 
+    def _replay_pieces(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
+        assert self.pieces is not None
+        positions: list[int] = []
+        rows: list[int] = []
+        for row, start, end in zip(plan.rows, plan.starts, plan.ends, strict=True):
+            positions += range(start, end)
+            rows += [row] * (end - start)
+        slots = self.table.slots[torch.tensor(rows), torch.tensor(positions)].tolist()
+
+        def prepare(out_loc: torch.Tensor) -> object:
+            layout = BatchLayout(plan.rows, plan.starts, plan.ends, out_loc, self.table)
+            return self.backend.prepare(layout)
+
+        hidden = self.pieces.run(
+            plan.ids,
+            positions,
+            slots,
+            prepare,
+            fill=lambda io: self.patch(io, plan.patch_dst, plan.patch_src, prev),
+        )
+        return self._logits(plan, hidden)
+
+    def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of the plan's sampling rows (each one's last token) of `hidden`."""
+        if not plan.sample:
+            return None
+        ends = [0]
+        for s, e in zip(plan.starts, plan.ends, strict=True):
+            ends.append(ends[-1] + e - s)
+        last = [ends[i + 1] - 1 for i in plan.sample]
+        rows = torch.tensor(last).to(self.device, non_blocking=True)  # no wait for the device
+        logits = self.model.logits(hidden[rows])
+        return None if logits is None else logits.float()
+
     def _run_eager(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
         layout, positions = self.layout(plan)
         meta = self.backend.prepare(layout)
@@ -258,10 +307,4 @@ class ModelRunner:
         self.patch(input_ids, plan.patch_dst, plan.patch_src, prev)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, pos, self.backend, meta)
-        if not plan.sample:
-            return None
-        qo = layout.qo_indptr
-        last = [qo[i + 1] - 1 for i in plan.sample]
-        rows = torch.tensor(last).to(self.device, non_blocking=True)  # no wait for the device
-        logits = self.model.logits(hidden[rows])
-        return None if logits is None else logits.float()
+        return self._logits(plan, hidden)
