@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app import aggregate, compare, controls, ranks, session, sweep_view
+from app import aggregate, compare, controls, external, ranks, session, sweep_view
 from app.client import EngineLink, NotConnected
 from app.derive import headline
 from app.kvmap import PageMapStore
@@ -42,7 +42,7 @@ POLICY_CAPTIONS = {
     "prefill_first": (
         "Now **prefill-first**: a step runs one kind only, so no request decodes while a prompt "
         "is chunked (red): “there is no decode at all while the long prompt is being prefilled "
-        "in chunks” (chapter 10, *The cost*)."
+        "in chunks” (“Chunked prefill”, *mini-sglang from Scratch*, Stage 2, *The cost*)."
     ),
     "mixed": (
         "Now **mixed** (stall-free batching, Sarathi-Serve): every running request decodes one "
@@ -92,7 +92,7 @@ def _seconds(value: float | None) -> str:
 
 def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> None:
     """Draw a figure, rebuilding it only when its inputs changed since this tab last drew it."""
-    memo: dict[str, tuple[tuple, go.Figure]] = st.session_state.setdefault("figure_memo", {})
+    memo = session.FIGURE_MEMO.setdefault()
     hit = memo.get(name)
     if hit is None or hit[0] != key:
         hit = memo[name] = (key, build())
@@ -135,14 +135,19 @@ def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
             help=what,
         )
     worst = "–" if external else "none" if h.worst_stall is None else _seconds(h.worst_stall)
+    notes = [] if h.worst_stall_uid is None else [f"request {h.worst_stall_uid}"]
+    if h.stalled_now:
+        notes.append(f"{h.stalled_now} stalled now, {_seconds(h.stalled_now_s)}")
     cols[3].metric(
         "worst stall",
         worst,
-        delta=None if h.worst_stall_uid is None else f"request {h.worst_stall_uid}",
+        delta=" · ".join(notes) or None,
         delta_color="red",
         delta_arrow="off",
         help="The longest stall: a gap between two of a request's tokens during which at "
-        "least one step ran without it (docs/protocol.md).",
+        "least one step ran without it (docs/protocol.md). Stalled now: running requests "
+        "left out of the steps since their last token; their wait becomes a stall when their "
+        "next token comes.",
     )
     kv = "–" if h.kv_used is None else f"{h.kv_used:.1%}"
     cached = None if h.kv_cached is None else f"+ {h.kv_cached:.1%} cached"
@@ -179,9 +184,10 @@ def _last_step_note(last: Message) -> str:
 
 def delivery_notice(snap: Snapshot) -> None:
     """Say when the record is not the whole truth: lost messages, or a new engine."""
-    seen = st.session_state.setdefault("restarts_seen", snap.restarts)
-    if snap.restarts > seen:
-        st.session_state["restarts_seen"] = snap.restarts
+    seen = session.RESTARTS_SEEN.get()
+    if seen is None or snap.restarts > seen:
+        session.RESTARTS_SEEN.set(snap.restarts)
+    if seen is not None and snap.restarts > seen:
         session.notify(False, "The engine restarted: the page now shows the new engine's record.")
     if snap.lost:
         st.warning(
@@ -220,9 +226,7 @@ def _captions(policy: str | None) -> dict[str, str]:
 
 def live_charts(link: EngineLink, hidden: bool = False) -> None:
     window = session.window_steps() or session.ALL_STEPS
-    opts = ViewOptions(
-        window=window, xmode=st.session_state.get("xmode", "step"), paused=not session.is_live()
-    )
+    opts = ViewOptions(window=window, xmode=session.XMODE.get(), paused=not session.is_live())
     _live_charts(link.store, "charts", opts, _captions, hidden=hidden)
 
 
@@ -342,23 +346,39 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
 
 
 def external_charts(snap: Snapshot) -> None:
-    """An external engine's steps: aggregate composition, KV usage, queue, throughput."""
-    xmode = st.session_state.get("xmode", "step")
+    """An external engine's steps: one lane per data-parallel rank (a filter keeps one rank in
+    every figure), aggregate composition, KV usage, queue, throughput, and its KV events."""
+    xmode = session.XMODE.get()
+    ranks_seen = external.dp_ranks(snap.steps, snap.kv_events)
+    rank = None
+    if len(ranks_seen) > 1:
+        choice = st.radio("Data-parallel rank", [external.ALL_RANKS, *ranks_seen],
+                          horizontal=True, key="dp_rank_filter")  # fmt: skip
+        rank = None if choice == external.ALL_RANKS else int(choice)
+    steps, kv = external.of_rank(snap.steps, rank), external.of_rank(snap.kv_events, rank)
+    for note in (external.time_note(steps), external.kv_gap_note(kv)):
+        if note:
+            st.caption(note)
+    chart("rank_lanes", _memo_key(snap, xmode, rank),
+          lambda: external.rank_lanes_figure(steps, xmode))  # fmt: skip
     st.caption(aggregate.NO_LANES_CAPTION)
     chart(
         "aggregate",
-        _memo_key(snap, xmode),
-        lambda: aggregate.aggregate_figure(snap.steps, xmode),
+        _memo_key(snap, xmode, rank),
+        lambda: aggregate.aggregate_figure(steps, xmode),
     )
-    if snap.kv_events:
+    if kv:
         st.markdown("**Prefix cache (KV events)**")
         st.caption(aggregate.KV_EVENTS_CAPTION)
-        last = snap.kv_events[-1].get("kv_seq")
+        last = kv[-1].get("kv_seq")
         chart(
             "kv_events",
-            _memo_key(snap, xmode, len(snap.kv_events), last),
-            lambda: aggregate.kv_events_figure(snap.kv_events, snap.steps, xmode),
+            _memo_key(snap, xmode, len(kv), last, rank),
+            lambda: aggregate.kv_events_figure(kv, steps, xmode),
         )
+        hits = external.kv_hit_rate_figure(kv)
+        if hits is not None:
+            chart("kv_hit_rate", _memo_key(snap, len(kv), last, rank), lambda: hits)
 
 
 def ranks_view(steps: Sequence[Message], engine: dict | None) -> None:
@@ -400,7 +420,11 @@ def compare_charts(a: compare.Side, b: compare.Side, xmode: str) -> None:
 
 def sweep_chart(sweep: sweep_view.SweepFolder, on_select: Callable[[], None]) -> None:
     """The sweep's trade-off plot; a click on a point calls `on_select` (the run it names is
-    `sweep_view.selected_run(sweep, st.session_state["sweep_chart"])`)."""
+    `sweep_view.selected_run(sweep, session.SWEEP_CHART.get())`)."""
     sweep_plot(
-        "sweep_chart", sweep_view.points(sweep), sweep.title, SWEEP_CAPTION, on_select=on_select
+        session.SWEEP_CHART.key,
+        sweep_view.points(sweep),
+        sweep.title,
+        SWEEP_CAPTION,
+        on_select=on_select,
     )

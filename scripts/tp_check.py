@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/tp_check.py --out OUT [--sections warmup,exact,bench]
 
 Sections, in order (each isolated: one failing prints its traceback and the rest still run):
-  warmup  FlashInfer's JIT kernels, built once before any engine (scripts/gpu_check.py's)
+  warmup  FlashInfer's JIT kernels, built once before any engine (the GPU check's, scripts/gpu_check/)
   exact   tp_size=2 against tp_size=1, greedy tokens and logits of the same prompts: Qwen3-0.6B
           and Llama-3.1-8B shapes with random weights (graphs and overlap on, and both off),
           SmolLM2 (uneven heads: 2 and 1 KV heads) when its weights are here
