@@ -270,3 +270,12 @@ def test_greedy_tables_on_the_cpu(tiny_llama_dir: Path) -> None:
     noisy = ref + torch.randn(ref.shape, generator=torch.Generator().manual_seed(0)) * gap
     tie = smollm2.greedy_verdict(hf, prompts[1], want, got, lambda j: noisy)
     assert tie["verdict"] == "tie" and tie["noise"] == pytest.approx(gap, rel=0.05)
+
+
+def test_every_section_has_its_module_and_function() -> None:
+    """`python3 -m scripts.gpu_check --sections ...`: each section name finds `sec_<name>` in its
+    module (all of them import on a machine without CUDA)."""
+    from scripts.gpu_check import main
+
+    for name in main.SECTIONS:
+        assert callable(main.section_fn(name)), name
