@@ -91,7 +91,7 @@ def _shifted(folder: str) -> list[fleet_ui.ClockShift]:
     return out
 
 
-def sidebar() -> Opened:
+def open_fleet_recording() -> Opened:
     """The sidebar's "Fleet recording": which fleet recording (if any) the page replays."""
     given = trace_dir_from(sys.argv[1:], os.environ)
     with st.sidebar.expander("Fleet recording", expanded=given is not None):
@@ -226,7 +226,7 @@ def comparison(fleet: FleetRecording, folder: str) -> None:
     )
 
 
-def render(opened: Opened) -> None:
+def render_fleet_recording(opened: Opened) -> None:
     """The fleet page over the open fleet recording (main.py calls this instead of the others)."""
     assert opened.folder is not None
     try:

@@ -30,18 +30,9 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import (  # noqa: E402
-    controls,
-    external,
-    fleet_replay_ui,
-    fleet_ui,
-    panels,
-    replay_ui,
-    session,
-    sidebar,
-    workloads,
-)
+from app import controls, external, fleet_ui, panels, replay_ui, session, sidebar, workloads  # noqa: E402
 from app.client import EngineLink, valid_url  # noqa: E402
+from app.fleet_replay_ui import open_fleet_recording, render_fleet_recording  # noqa: E402
 from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
 from app.live.component import LIVE_EVERY_S  # noqa: E402
@@ -346,9 +337,9 @@ def page() -> None:
     # Another tab may have changed the process's URL: show it here too.
     if session.URL.get() != target.url:
         session.URL.set(target.url)
-    fleet_trace = fleet_replay_ui.sidebar()  # a fleet recording stands in for the fleet
+    fleet_trace = open_fleet_recording()  # a fleet recording stands in for the fleet
     if fleet_trace.folder is not None:
-        fleet_replay_ui.render(fleet_trace)
+        render_fleet_recording(fleet_trace)
         return
     fleet, fleet_problem = fleet_ui.spec_for(target.url, sys.argv[1:], os.environ)
     if fleet is not None or fleet_problem is not None:  # several engines: the fleet page
