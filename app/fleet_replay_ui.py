@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,10 @@ from app.replay import MAX_SPEED, MIN_SPEED
 SPEEDS = (1, 2, 5, 10, 20, 50)
 PLAY_REFRESH_S = 0.5
 CHARTS_LINK = "fleet-replay"  # the replicas' charts zoom and pan together
+# how long the last drawing of each recording's charts took: while playing they are redrawn
+# whole, every PLAY_REFRESH_S or twice that long, whichever is longer (a long recording's
+# charts take a while to encode, and the page must keep time for the scrubber and the clicks)
+_DRAW_S: dict[str, float] = {}
 NO_ENGINE = "a replay has no engine to act on (clear the fleet recording to go back to engines)."
 assert MIN_SPEED == SPEEDS[0] and MAX_SPEED == SPEEDS[-1]
 
@@ -183,6 +188,7 @@ def _player(folder: str, timed: bool) -> None:
 def _charts(folder: str) -> None:
     """Every replica as it stood at the scrubber's time, drawn whole on one scale (the fleet's
     time span on x): the same place on the page is the same moment on every replica."""
+    started = time.perf_counter()
     replay = fleet_replay(folder)
     fleet = replay.fleet
     axes = _axes(folder)
@@ -201,6 +207,7 @@ def _charts(folder: str) -> None:
             xmode="time",
             captions=_captions(config.get("policy")),
         )
+    _DRAW_S[folder] = time.perf_counter() - started
 
 
 def _fmt(value: Any) -> Any:
@@ -259,6 +266,7 @@ def render_fleet_recording(opened: Opened) -> None:
     if opened.compare:
         comparison(fleet, opened.compare)
     if playing:
-        st.fragment(_charts, run_every=PLAY_REFRESH_S)(opened.folder)
+        every = max(PLAY_REFRESH_S, 2 * _DRAW_S.get(opened.folder, 0.0))
+        st.fragment(_charts, run_every=every)(opened.folder)
     else:
         _charts(opened.folder)

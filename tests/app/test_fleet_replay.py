@@ -7,6 +7,7 @@ traces are made by the in-test protocol peer's scheduler (tests/app/app_peer.py)
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -263,6 +264,21 @@ def test_the_page_replays_a_fleet_recording_with_its_controls_disabled(
                 if rec.messages[i]["t1"] + off <= T0 + 0.2]  # fmt: skip
         assert data["steps"]["step"] == want
     assert len(want) < fleet.recordings[1].num_steps
+
+    # play: every replica moves on together from the start, to the end
+    at.select_slider(key="fleet_replay_speed").set_value(50).run()
+    at.button(key="fleet_replay_play").click().run()
+    assert not at.exception, at.exception
+    from app.fleet_replay_ui import fleet_replay
+
+    replay = fleet_replay(str(fleet_dir.resolve()))
+    assert replay.speed == 50
+    deadline = time.monotonic() + 30
+    while not replay.at_end and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert replay.at_end and not replay.playing
+    at.run()
+    assert any("at the end" in c.value for c in at.caption)
 
     # compare with a second fleet recording
     other = make_fleet(tmp_path / "b", [EPOCH, EPOCH], cached=0)
