@@ -498,9 +498,8 @@ class LLM:
                 gen = None
                 if params.seed is not None:
                     gen = torch.Generator(device=self.device).manual_seed(params.seed)
-                state = RequestState(
-                    uid, ids, params, t, IncrementalDetokenizer(self.tokenizer), generator=gen
-                )
+                detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                state = RequestState(uid, ids, params, t, detok, generator=gen)
                 self.scheduler.add(state)
                 fields = {"prompt_len": len(ids), "max_tokens": params.max_tokens}
                 if source is not None:
@@ -582,6 +581,9 @@ class LLM:
                 except Exception:  # as for event hooks: never the engine's failure
                     log.exception("wait hook %r failed", fn)
         tokens = step.out.result()
+        logprobs = step.out.logprob_rows()
+        for req, rows in step.out.prompt_rows():
+            req.state.prompt_logprobs += [[lp, top] for lp, top in rows]
         t1 = self.now()
         post: list[EngineEvent] = []
         req_events = [
@@ -590,7 +592,7 @@ class LLM:
         ]
         finished = []
         gone: set[int] = set()
-        for req, tok in zip(step.out.reqs, tokens, strict=True):
+        for i, (req, tok) in enumerate(zip(step.out.reqs, tokens, strict=True)):
             st = req.state
             if st.aborted or st.finish_reason is not None:
                 # it ended while this step ran (aborted, or an EOS read one step late): the
@@ -598,9 +600,15 @@ class LLM:
                 gone.add(req.uid)
                 continue
             req.append_token(tok, t1)
-            post.append(TokenEvent(req.uid, t1, tok, st.detok.push(tok)))
+            token = TokenEvent(req.uid, t1, tok, st.detok.push(tok))
+            if logprobs is not None and st.params.logprobs is not None:
+                lp, top = logprobs[i]
+                token = replace(token, logprob=lp, top_logprobs=top[: st.params.logprobs])
+                st.output_logprobs.append([lp, token.top_logprobs])
+            post.append(token)
             if len(st.output_ids) == 1:
-                req_events.append(RequestEvent(req.uid, "first_token", t1))
+                first = {} if st.params.prompt_logprobs is None else self._prompt_lp(st)
+                req_events.append(RequestEvent(req.uid, "first_token", t1, first))
             if tok in self.eos_token_ids and not st.params.ignore_eos:
                 st.finish_reason = "eos"
             elif len(st.output_ids) >= st.params.max_tokens:
@@ -647,6 +655,11 @@ class LLM:
         self._emit([record, *post, *req_events])
         return record
 
+    @staticmethod
+    def _prompt_lp(st: RequestState) -> dict[str, Any]:
+        k = st.params.prompt_logprobs
+        return {"prompt_logprobs": [[lp, top[:k]] for lp, top in st.prompt_logprobs]}
+
     def _metrics(self, st: RequestState) -> dict[str, Any]:
         m = request_metrics(st.t_queued, st.t_admitted, st.token_times)
         m.pop("inter_token_latency_seconds")  # the token events carry those
@@ -667,6 +680,8 @@ class LLM:
             "finish_reason": st.finish_reason,
             "prompt_len": st.prompt_len,
             "cached_len": st.cached_len,
+            **({} if st.params.logprobs is None else {"logprobs": st.output_logprobs}),
+            **({} if st.params.prompt_logprobs is None else self._prompt_lp(st)),
             "metrics": request_metrics(st.t_queued, st.t_admitted, st.token_times),
         }
 

@@ -34,6 +34,10 @@ class RequestState:
     finish_reason: FinishReason | None = None
     t_finished: float | None = None
     launched_tokens: int = 0  # tokens whose sampling was launched (some may be in flight)
+    # with params.prompt_logprobs: [logprob, top [id, logprob] pairs] of prompt tokens 1..
+    prompt_logprobs: list[list] = field(default_factory=list)
+    # with params.logprobs: the same for each output token
+    output_logprobs: list[list] = field(default_factory=list)
     aborted: bool = False
 
     @property

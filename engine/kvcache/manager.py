@@ -136,13 +136,15 @@ class KVManager:
         self._num_private = 0
 
     # -- admission -----------------------------------------------------------------------
-    def try_admit(self, ids: list[int], max_tokens: int) -> tuple[CacheHandle, int] | None:
-        """Match the prefix, take a row and promise every page the request may ever need; or
-        change nothing (not even the cache's LRU order) and return None when a row or the pages
-        are not there."""
+    def try_admit(
+        self, ids: list[int], max_tokens: int, cached: bool = True
+    ) -> tuple[CacheHandle, int] | None:
+        """Match the prefix (unless not `cached`), take a row and promise every page the request
+        may ever need; or change nothing (not even the cache's LRU order) and return None when
+        a row or the pages are not there."""
         if self.table.num_free_rows == 0:
             return None
-        handle, pages = self.cache.match(ids)
+        handle, pages = self.cache.match(ids if cached else ids[:1])  # one token matches none
         need = pages_for(len(ids) + max_tokens, self.page_size) - len(pages)
         # the matched pages stop being evictable once locked, so they cannot count as room
         evictable = self.cache.evictable_pages - self.cache.pages_to_lock(handle)

@@ -28,7 +28,9 @@ class PrefillAdder:
                 pending, chunked.cache_handle, chunked.table_idx, chunked.cached_len
             )
         state = pending.state
-        resource = self.kv.try_admit(state.prompt_ids, state.params.max_tokens)
+        # prompt logprobs need every prompt position computed: no prefix-cache hit
+        cached = state.params.prompt_logprobs is None
+        resource = self.kv.try_admit(state.prompt_ids, state.params.max_tokens, cached)
         if resource is None:
             return None
         handle, row = resource
