@@ -319,6 +319,26 @@ def build_parser() -> argparse.ArgumentParser:
         "when ready), 'none' turns it off",
     )
     add(
+        "--metrics-token",
+        default=os.environ.get("STEPSCOPE_METRICS_TOKEN"),
+        help="/metrics needs it as a Bearer token (default: /metrics is open, as vLLM's "
+        "--api-key guards only /v1); env STEPSCOPE_METRICS_TOKEN",
+    )
+    add(
+        "--metrics-compat",
+        default=None,
+        choices=("vllm",),
+        help="also export vLLM's metric names (vllm:), labels and buckets, so vLLM's Grafana "
+        "dashboards work unchanged",
+    )
+    add(
+        "--generation-config",
+        default="auto",
+        choices=("auto", "vllm"),
+        help="auto: the model's generation_config.json sampling defaults apply to requests "
+        "that leave a field out; vllm: OpenAI's defaults (vLLM's switch)",
+    )
+    add(
         "--load-format",
         default="auto",
         choices=("auto", "dummy"),
@@ -467,7 +487,9 @@ def _http_api(llm: Any, args: argparse.Namespace) -> HttpApi | None:
     return build_http_api(
         llm, host=args.host, port=args.http_port, token=args.token,
         allowed_origins=tuple(args.allow_origin), max_waiting=args.max_waiting,
-        model_arg=str(args.model),
+        model_arg=str(args.model), metrics_token=getattr(args, "metrics_token", None),
+        generation_config=getattr(args, "generation_config", "auto"),
+        metrics_compat=getattr(args, "metrics_compat", None),
     )  # fmt: skip
 
 

@@ -96,8 +96,9 @@ class EngineMetrics:
     Prometheus tolerates (the next scrape is consistent).
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, compat: str | None = None) -> None:
         self._model = model_name
+        self.compat = compat
         self._live: dict[int, _Live] = {}
         self._steps = 0
         self._running = 0  # of `_live`, those admitted

@@ -20,7 +20,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server.openai_schema import ApiError, StopMatcher, parse_request
+from engine.detokenizer import StopMatcher
+from engine.server.openai_schema import ApiError, parse_request
 from tests.server.test_server_support import ServerProcess
 
 MAX_RUNNING = 8
@@ -290,7 +291,7 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="hi", n=2)
+        client.completions.create(model=model, prompt="hi", presence_penalty=0.5)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="hi", temperature=-1)
 
@@ -300,7 +301,11 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": NaN}', 400),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": true}', 400),
         ("/v1/completions", b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400),
-        ("/v1/completions", b'{"prompt": "hi", "logprobs": 3}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "logprobs": 21}', 400),
+        ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 1}', 400),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"1": 5}}', 400),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400),
         ("/v1/completions", b'{"prompt": [], "max_tokens": 1}', 400),
         ("/v1/completions", b'{"prompt": [99999999], "max_tokens": 1}', 400),
         ("/v1/completions", json.dumps({"prompt": "x" * (2**20 + 10)}).encode(), 413),
@@ -560,8 +565,26 @@ def test_parse_accepts_what_common_clients_send() -> None:
     assert (
         parse_request({"prompt": ["only one"], "max_tokens": 16.0}, "completion").max_tokens == 16
     )
-    assert parse_request({"prompt": [1, 2, 3]}, "completion").prompt == [1, 2, 3]
-    assert parse_request({"prompt": "p"}, "completion").max_tokens is None
+    assert parse_request({"prompt": [1, 2, 3]}, "completion").prompts == ([1, 2, 3],)
+    assert parse_request({"prompt": "p"}, "completion").max_tokens is None  # the endpoint's
+    batch = parse_request(
+        b'{"prompt": [[1, 2], [3]], "n": 2, "seed": -9223372036854775808, "logprobs": 2, '
+        b'"echo": true, "min_p": 0.1, "include_stop_str_in_output": true}',
+        "completion",
+    )
+    assert (batch.prompts, batch.n, batch.choices, batch.logprobs) == (([1, 2], [3]), 2, 4, 2)
+    assert batch.echo and batch.include_stop_str and batch.min_p == 0.1
+    chat = parse_request(
+        {"messages": [{"role": "user", "content": "q"}], "logprobs": True, "top_logprobs": 3,
+         "chat_template_kwargs": {"enable_thinking": False}, "skip_special_tokens": False,
+         "stream": True, "stream_options": {}},
+        "chat",
+    )  # fmt: skip
+    assert chat.logprobs == 3 and chat.chat_template_kwargs == {"enable_thinking": False}
+    assert not chat.skip_special_tokens
+    assert chat.include_usage  # stream_options without include_usage: on, as vLLM's default
+    assert parse_request({"messages": [{"role": "user", "content": "q"}], "logprobs": True},
+                         "chat").logprobs == 0  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -572,14 +595,21 @@ def test_parse_accepts_what_common_clients_send() -> None:
         {"prompt": "p", "temperature": "hot"},
         {"prompt": "p", "top_p": 0},
         {"prompt": "p", "top_k": -2},
-        {"prompt": "p", "n": 2},
-        {"prompt": "p", "echo": True},
-        {"prompt": "p", "seed": -1},
+        {"prompt": "p", "n": 0},
+        {"prompt": "p", "best_of": 2},
+        {"prompt": "p", "seed": 2**64},
+        {"prompt": "p", "seed": True},
+        {"prompt": "p", "min_p": 1.5},
+        {"prompt": "p", "logprobs": -1},
         {"prompt": "p", "stop": [1]},
+        {"prompt": "p", "stop": ["s"] * 17},
         {"prompt": "p", "stream": "yes"},
-        {"prompt": ["a", "b"]},
+        {"prompt": ["a", ""]},
+        {"prompt": [[]]},
+        {"prompt": [True]},
         {"prompt": ""},
         {"prompt": "p", "model": 3},
+        {"prompt": "p", "frequency_penalty": 1},
     ],
 )
 def test_parse_refuses_bad_fields(body: dict[str, Any]) -> None:
@@ -597,3 +627,5 @@ def test_stop_matcher_holds_back_what_may_start_a_stop_string() -> None:
     assert "".join(m.push(p) for p in ["ab", "cz"]) + m.flush() == "abcz" and not m.stopped
     m = StopMatcher(())
     assert [m.push("a"), m.push("b")] == ["a", "b"]
+    m = StopMatcher(("ND", "END"), include_stop=True)  # the earliest start wins, kept in the text
+    assert "".join(m.push(p) for p in ["xE", "ND", "more"]) + m.flush() == "xEND" and m.stopped
