@@ -325,6 +325,149 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(
     assert out.usage.completion_tokens <= 3 and out.choices[0].finish_reason in ("length", "stop")
 
 
+# -- logprobs, echo, n: against the model's own logits (Hugging Face, same weights) ----------
+
+
+def hf_logprobs(model_dir: Path, ids: list[int]) -> Any:
+    """log_softmax of Hugging Face's logits at every position of `ids` (float32)."""
+    import torch
+
+    from tests.helpers import _hf_model
+
+    with torch.no_grad():
+        logits = _hf_model(str(model_dir))(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def tid(token: str) -> int:
+    assert token.startswith("token_id:"), token
+    return int(token.split(":", 1)[1])
+
+
+def check_position(
+    ref: Any, pos: int, token: int, logprob: float, top: dict[str, float], k: int
+) -> None:
+    """The logprob of `token` predicted at `pos`, and the top `k` alternatives beside it (a
+    completion's top dict holds the chosen token plus the top k), are the model's."""
+    assert logprob == pytest.approx(ref[pos, token].item(), abs=2e-3)
+    assert f"token_id:{token}" in top
+    for t in ref[pos].topk(k).indices.tolist():
+        assert f"token_id:{t}" in top
+    for key, value in top.items():
+        assert value == pytest.approx(ref[pos, tid(key)].item(), abs=2e-3)
+
+
+def test_completion_logprobs_echo_and_n_are_the_models(
+    server: ApiServer, client: openai.OpenAI, model: str, tiny_llama_dir: Path
+) -> None:
+    prompt = words(31, 9)
+    prompt_ids = client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    ).choices[0].logprobs.tokens[:-1]  # fmt: skip
+    ids = [tid(t) for t in prompt_ids]
+    out = client.completions.create(
+        model=model, prompt=prompt, max_tokens=5, n=2, echo=True, logprobs=3, temperature=1.0,
+        seed=2**64 - 1, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10
+    outputs = []
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert choice.text.startswith(prompt)  # echo: the prompt's text, then the output
+        assert len(lp.tokens) == len(ids) + 5 and [tid(t) for t in lp.tokens[: len(ids)]] == ids
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        full = [tid(t) for t in lp.tokens]
+        ref = hf_logprobs(tiny_llama_dir, full)
+        for i in range(1, len(full)):  # prompt and output tokens alike
+            assert len(lp.top_logprobs[i]) in (3, 4)
+            check_position(ref, i - 1, full[i], lp.token_logprobs[i], lp.top_logprobs[i], 3)
+        outputs.append(full[len(ids) :])
+    assert outputs[0] != outputs[1]  # seed, seed + 1: two samples, not one twice
+    again = client.completions.create(
+        model=model, prompt=prompt, max_tokens=5, n=2, logprobs=0, temperature=1.0,
+        seed=2**64 - 1, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert [[tid(t) for t in c.logprobs.tokens] for c in again.choices] == outputs
+
+
+def test_chat_logprobs_and_n_are_the_models(
+    server: ApiServer, client: openai.OpenAI, model: str, tiny_llama_dir: Path
+) -> None:
+    messages = [{"role": "user", "content": words(32, 6)}]
+    out = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, n=2, logprobs=True, top_logprobs=2,
+        temperature=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
+    assert out.usage.prompt_tokens == len(prompt)
+    got = []
+    for choice in out.choices:
+        content = choice.logprobs.content
+        assert len(content) == 4
+        full = prompt + [tid(e.token) for e in content]
+        ref = hf_logprobs(tiny_llama_dir, full)
+        for i, e in enumerate(content):
+            pos = len(prompt) + i - 1
+            assert e.logprob == pytest.approx(ref[pos, full[pos + 1]].item(), abs=2e-3)
+            assert [tid(t.token) for t in e.top_logprobs] == ref[pos].topk(2).indices.tolist()
+            assert e.bytes == list(e.token.encode())
+        got.append(full[len(prompt) :])
+    assert got[0] == got[1]  # greedy, twice
+
+
+def test_streamed_logprobs_are_the_whole_responses(
+    server: ApiServer, client: openai.OpenAI, model: str
+) -> None:
+    prompt = words(33, 7)
+    kw: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": 6, "logprobs": 2,
+                          "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**kw).choices[0]
+    tokens, lps, offsets, text = [], [], [], ""
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.text
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+
+
+def test_defaults_min_p_seed_and_stop_strings(
+    server: ApiServer, client: openai.OpenAI, model: str
+) -> None:
+    prompt = words(34, 8)
+    # max_tokens left out: 16 on /v1/completions, as OpenAI's and vLLM's
+    out = client.completions.create(model=model, prompt=prompt, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    # min_p = 1 keeps only the likeliest token: sampling at any temperature is greedy
+    only_top = client.completions.create(
+        model=model, prompt=prompt, max_tokens=8, temperature=1.5, seed=-(2**63),
+        extra_body={"ignore_eos": True, "min_p": 1.0},
+    )  # fmt: skip
+    assert only_top.choices[0].text == greedy.choices[0].text
+    text = greedy.choices[0].text
+    stop = text[len(text) // 2 :][:3]
+    assert stop.strip()
+    for include in (False, True):
+        cut = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
+            extra_body={"ignore_eos": True, "include_stop_str_in_output": include},
+        )  # fmt: skip
+        want = text[: text.index(stop) + (len(stop) if include else 0)]
+        assert cut.choices[0].text == want and cut.choices[0].finish_reason == "stop"
+
+
 # -- disconnects ----------------------------------------------------------------------------
 
 
@@ -522,6 +665,10 @@ def test_a_token_is_required_when_set_and_browsers_need_a_local_origin(
     assert status == 403
     status, _ = raw(srv, "GET", "/metrics", headers={**auth, "Origin": "http://localhost:8501"})
     assert status == 200
+    # a token on /v1 only: /metrics is scraped without it, as vLLM's --api-key guards only /v1
+    samples = scrape(srv)
+    assert samples["stepscope:num_requests_running{}"] == 0
+    assert not any(name.startswith("vllm:") for name in samples)  # no compat switch here
 
 
 class StdoutKept(ServerProcess):
