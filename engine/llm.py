@@ -512,9 +512,9 @@ class LLM:
                     state = req.state  # its pages are back already; its last token is dropped
                 if state is not None:
                     state.aborted = True  # a step in flight must not give it a token
-                    events.append(
-                        RequestEvent(uid, "aborted", t, {"output_len": len(state.output_ids)})
-                    )
+                    # its figures as far as it got: an API ending it on a stop string counts it
+                    fields = {"output_len": len(state.output_ids), **self._metrics(state)}
+                    events.append(RequestEvent(uid, "aborted", t, fields))
                     self._end(uid, state)
         return events
 

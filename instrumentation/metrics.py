@@ -5,6 +5,10 @@
 - inter_token_latency_seconds (ITL): the gaps between consecutive output tokens.
 - time_per_output_token_seconds (TPOT): (last token - first token) / (output tokens - 1).
 - e2e_request_latency_seconds: queued until the last output token.
+- prefill_time_seconds: admitted until the first output token (vLLM's request_prefill_time).
+- decode_time_seconds: first output token until the last (vLLM's request_decode_time).
+- inference_time_seconds: admitted until the last output token (vLLM's
+  request_inference_time).
 - max_stall_seconds: the longest *stall* (docs/protocol.md): a gap between two of the request's
   tokens during which at least one step ran without it. `stalled_between` is that rule, once.
 """
@@ -26,6 +30,11 @@ def request_metrics(
         "inter_token_latency_seconds": itl,
         "time_per_output_token_seconds": (last - first) / len(itl) if itl else None,  # type: ignore[operator]
         "e2e_request_latency_seconds": None if last is None else last - t_queued,
+        "prefill_time_seconds": None if first is None or t_admitted is None else first - t_admitted,
+        "decode_time_seconds": None if first is None else last - first,  # type: ignore[operator]
+        "inference_time_seconds": (
+            None if last is None or t_admitted is None else last - t_admitted
+        ),
         "max_stall_seconds": max(itl) if itl else None,
     }
 

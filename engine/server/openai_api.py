@@ -395,4 +395,5 @@ def build_http_api(
     config = HttpConfig(host=host, port=port, token=token, allowed_origins=allowed_origins,
                         max_waiting=max_waiting, model_names=names, metrics_token=metrics_token,
                         sampling_defaults=defaults)  # fmt: skip
-    return HttpApi(llm, config, EngineMetrics(llm.info.model, compat=metrics_compat))
+    metrics = EngineMetrics(llm.info.model, metrics_compat, llm.info.max_seq_len)
+    return HttpApi(llm, config, metrics)

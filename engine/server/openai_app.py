@@ -55,7 +55,42 @@ Message = dict[str, Any]
 
 
 def build_app(api: HttpApi) -> ASGIApp:
-    return _Guard(Endpoints(api).app(), api.config)
+    app: ASGIApp = _Guard(Endpoints(api).app(), api.config)
+    if api.metrics.compat == "vllm":  # vLLM's http_requests_total and durations
+        from engine.server.prometheus_vllm import HttpStats
+
+        api.metrics.http = HttpStats(frozenset(ROUTES))
+        app = _Timed(app, api.metrics.http)
+    return app
+
+
+ROUTES = ("/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions")
+
+
+class _Timed:
+    """Outermost ASGI layer under --metrics-compat vllm: each HTTP request's route, method,
+    status and time to the end of its response, for vLLM's http_* metrics."""
+
+    def __init__(self, app: ASGIApp, stats: Any) -> None:
+        self.app = app
+        self.stats = stats
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0, status = time.perf_counter(), 500
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            self.stats.observe(scope["path"], scope["method"], status, time.perf_counter() - t0)
 
 
 class EventStreamResponse:

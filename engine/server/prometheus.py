@@ -6,9 +6,14 @@ engine's order (on the publisher's thread) and keeps vLLM's metrics under the pr
 the prefix is renamed. Histogram buckets are supersets of vLLM's (every vLLM bound is here, plus
 finer ones below 10 ms for GPU decode steps), so a query for a vLLM bucket still finds it.
 
+Under `--metrics-compat vllm` the same figures are also served under vLLM's own names, labels and
+bucket boundaries (engine/server/prometheus_vllm.py), for vLLM's Grafana dashboards unchanged.
+
 Per-request figures use the definitions of instrumentation/metrics.py: TTFT is first token minus queued,
 ITL the gaps between one request's consecutive tokens, and a decode stall (stepscope's own
 `decode_stall_seconds`) is such a gap during which at least one step ran without the request.
+A request's prefill, decode and inference times are read from its end event, which carries
+instrumentation.metrics' figures.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import threading
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -28,6 +33,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from engine.server.prometheus_vllm import HttpStats
 
 PREFIX = "stepscope:"
 Message = dict[str, Any]
@@ -45,6 +53,7 @@ TTFT_BUCKETS = tuple(sorted({*_VLLM_TTFT, *_FINE}))
 ITL_BUCKETS = tuple(sorted({*_VLLM_ITL, *_FINE}))
 REQUEST_BUCKETS = tuple(sorted({*_VLLM_REQUEST, 0.001, 0.01, 0.05, 0.1, 0.2}))
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+COMPAT = ("vllm",)
 
 
 @dataclass(slots=True)
@@ -53,6 +62,8 @@ class _Live:
 
     t_queued: float
     prompt_len: int
+    max_tokens: int = 0
+    cached_len: int = 0
     state: str = "waiting"  # or "running"
     t_first: float | None = None
     t_last: float | None = None
@@ -96,9 +107,16 @@ class EngineMetrics:
     Prometheus tolerates (the next scrape is consistent).
     """
 
-    def __init__(self, model_name: str, compat: str | None = None) -> None:
-        self._model = model_name
+    def __init__(
+        self, model_name: str, compat: str | None = None, max_model_len: int = 8192
+    ) -> None:
+        from engine.server.prometheus_vllm import one_two_five
+
+        if compat is not None and compat not in COMPAT:
+            raise ValueError(f"metrics compat must be one of {COMPAT}, got {compat!r}")
+        self._model = self.model_name = model_name
         self.compat = compat
+        self.max_model_len = max_model_len
         self._live: dict[int, _Live] = {}
         self._steps = 0
         self._running = 0  # of `_live`, those admitted
@@ -115,13 +133,16 @@ class EngineMetrics:
         )
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of prefilled requests.")
+        self.prompt_cached = c(
+            "prompt_tokens_cached", "Prompt tokens of prefilled requests served by the cache."
+        )
         self.generation_tokens = c("generation_tokens", "Generated tokens.")
         self.preemptions = c(
             "num_preemptions", "Preemptions (this engine never preempts: always 0)."
         )
         # vLLM's finished_reason values, present at 0 as vLLM's are
         self.success = {r: c("request_success", "Ended requests by finish reason.")
-                        for r in ("stop", "length", "abort")}  # fmt: skip
+                        for r in ("stop", "length", "abort", "error")}  # fmt: skip
         self.ttft = h("time_to_first_token_seconds", "Queued to first token.", TTFT_BUCKETS)
         self.itl = h("inter_token_latency_seconds", "Gap between a request's tokens.", ITL_BUCKETS)
         self.tpot = h(
@@ -131,6 +152,30 @@ class EngineMetrics:
         )
         self.queue_time = h("request_queue_time_seconds", "Queued to admitted.", REQUEST_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "Queued to last token.", REQUEST_BUCKETS)
+        self.prefill_time = h(
+            "request_prefill_time_seconds", "Admitted to first token.", REQUEST_BUCKETS
+        )
+        self.decode_time = h(
+            "request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS
+        )
+        self.inference_time = h(
+            "request_inference_time_seconds", "Admitted to last token.", REQUEST_BUCKETS
+        )
+        lengths = one_two_five(max_model_len)  # vLLM's token-count buckets
+        self.request_prompt_tokens = h(
+            "request_prompt_tokens", "Prompt tokens of each ended request.", lengths
+        )
+        self.request_generation_tokens = h(
+            "request_generation_tokens", "Generated tokens of each ended request.", lengths
+        )
+        self.request_max_generation_tokens = h(
+            "request_max_num_generation_tokens",
+            "Most tokens generated by one sequence of each ended request (n = 1: its own).",
+            lengths,
+        )
+        self.request_max_tokens = h(
+            "request_params_max_tokens", "The max_tokens of each ended request.", lengths
+        )
         self.iteration_tokens = h(
             "iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS
         )
@@ -142,6 +187,11 @@ class EngineMetrics:
             "Token gaps during which at least one engine step ran without the request.",
             ITL_BUCKETS,
         )
+        self.http: HttpStats | None = None  # set by the HTTP API under the vLLM switch
+        if compat == "vllm":
+            from engine.server.prometheus_vllm import check_bounds
+
+            check_bounds(self)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]  # a collector: `collect()`
 
@@ -153,7 +203,7 @@ class EngineMetrics:
             fam.add_metric(lab, g.value)
             yield fam
         counters = (self.prefix_queries, self.prefix_hits, self.prompt_tokens,
-                    self.generation_tokens, self.preemptions)  # fmt: skip
+                    self.prompt_cached, self.generation_tokens, self.preemptions)  # fmt: skip
         for k in counters:
             fam = CounterMetricFamily(PREFIX + k.name, k.doc, labels=["model_name"])
             fam.add_metric(lab, k.value)
@@ -165,8 +215,11 @@ class EngineMetrics:
         for reason, k in self.success.items():
             fam.add_metric([self._model, reason], k.value)
         yield fam
-        hists = (self.ttft, self.itl, self.tpot, self.queue_time, self.e2e,
-                 self.iteration_tokens, self.step_seconds, self.stall)  # fmt: skip
+        hists = (self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.prefill_time,
+                 self.decode_time, self.inference_time, self.request_prompt_tokens,
+                 self.request_generation_tokens, self.request_max_generation_tokens,
+                 self.request_max_tokens, self.iteration_tokens, self.step_seconds,
+                 self.stall)  # fmt: skip
         for h in hists:
             counts, total = list(h.counts), h.sum  # a snapshot
             cum, buckets = 0, []
@@ -176,6 +229,12 @@ class EngineMetrics:
             fam = HistogramMetricFamily(PREFIX + h.name, h.doc, labels=["model_name"])
             fam.add_metric(lab, buckets, sum_value=total)
             yield fam
+        if self.compat == "vllm":
+            from engine.server.prometheus_vllm import vllm_families
+
+            yield from vllm_families(self)
+            if self.http is not None:
+                yield from self.http.families()
 
     # -- the sink (publisher thread) -----------------------------------------------------
     def __call__(self, msg: Message, _text: str = "") -> None:
@@ -228,7 +287,7 @@ class EngineMetrics:
     def _request(self, msg: Message) -> None:
         uid, event, t = msg["uid"], msg["event"], msg["t"]
         if event == "queued":
-            self._live[uid] = _Live(t, int(msg.get("prompt_len", 0)))
+            self._live[uid] = _Live(t, int(msg.get("prompt_len", 0)), int(msg.get("max_tokens", 0)))
             self._gauges()
             return
         r = self._live.get(uid)
@@ -239,10 +298,12 @@ class EngineMetrics:
             self._running += 1
             self.queue_time.observe(t - r.t_queued)
             self.prefix_queries.inc(r.prompt_len)
-            self.prefix_hits.inc(int(msg.get("cached_len", 0)))
+            r.cached_len = int(msg.get("cached_len", 0))
+            self.prefix_hits.inc(r.cached_len)
             self._gauges()
         elif event == "first_token":
             self.prompt_tokens.inc(r.prompt_len)
+            self.prompt_cached.inc(r.cached_len)
         elif event in ("finished", "aborted", "rejected"):
             del self._live[uid]
             self._running -= r.state == "running"
@@ -251,13 +312,27 @@ class EngineMetrics:
                 self._stopped.discard(uid)
             if event == "finished" or stopped:
                 reason = "length" if msg.get("finish_reason") == "length" else "stop"
-                self._ended(r, reason)
+                self._ended(r, reason, msg)
             elif event == "aborted":
                 self.success["abort"].inc()
+            else:  # rejected: the engine could not run it
+                self.success["error"].inc()
             self._gauges()
 
-    def _ended(self, r: _Live, reason: str) -> None:
+    def _ended(self, r: _Live, reason: str, msg: Message) -> None:
         self.success[reason].inc()
+        # the end event's figures (instrumentation.metrics), as vLLM records them at the end
+        for hist, key in ((self.prefill_time, "prefill_time_seconds"),
+                          (self.decode_time, "decode_time_seconds"),
+                          (self.inference_time, "inference_time_seconds")):  # fmt: skip
+            if (value := msg.get(key)) is not None:
+                hist.observe(value)
+        output = int(msg.get("output_len", r.tokens))
+        self.request_prompt_tokens.observe(r.prompt_len)
+        self.request_generation_tokens.observe(output)
+        self.request_max_generation_tokens.observe(output)
+        if r.max_tokens:
+            self.request_max_tokens.observe(r.max_tokens)
         if r.t_last is not None:
             self.e2e.observe(r.t_last - r.t_queued)
         if r.t_first is not None and r.t_last is not None and r.tokens > 1:

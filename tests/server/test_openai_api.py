@@ -57,7 +57,7 @@ def stop(server: ApiServer) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path) -> Iterator[ApiServer]:
-    srv = start(tiny_llama_dir)
+    srv = start(tiny_llama_dir, "--metrics-compat", "vllm")
     try:
         yield srv
     finally:
@@ -603,6 +603,16 @@ def test_metrics_count_what_the_clients_received(
     assert after["stepscope:num_preemptions_total{}"] == 0
     assert after["stepscope:kv_cache_usage_perc{}"] == 0
     assert "stepscope:decode_stall_seconds_count{}" in after
+    # --metrics-compat vllm: the same figures under vLLM's names, labels and buckets
+    for name in ("generation_tokens_total{}", "prompt_tokens_total{}",
+                 "request_success_total{finished_reason=length}",
+                 "time_to_first_token_seconds_count{}", "request_prefill_time_seconds_count{}",
+                 "request_decode_time_seconds_count{}", "request_prompt_tokens_count{}"):  # fmt: skip
+        vllm = "vllm:" + name.replace("{", "{engine=0,", 1).replace(",}", "}")
+        assert after[vllm] == after["stepscope:" + name], name
+    assert delta("vllm:request_generation_tokens_sum{engine=0}") == received
+    assert delta("http_requests_total{handler=/v1/completions,method=POST,status=2xx}") == 4
+    assert delta("http_request_duration_seconds_count{handler=/v1/completions,method=POST}") == 4
 
 
 # -- safety: token and origins --------------------------------------------------------------
@@ -776,3 +786,25 @@ def test_stop_matcher_holds_back_what_may_start_a_stop_string() -> None:
     assert [m.push("a"), m.push("b")] == ["a", "b"]
     m = StopMatcher(("ND", "END"), include_stop=True)  # the earliest start wins, kept in the text
     assert "".join(m.push(p) for p in ["xE", "ND", "more"]) + m.flush() == "xEND" and m.stopped
+
+
+def test_metrics_has_its_own_token_and_is_open_without_one() -> None:
+    from starlette.responses import PlainTextResponse
+    from starlette.testclient import TestClient
+
+    from engine.server.openai_api import HttpConfig
+    from engine.server.openai_app import _Guard
+
+    ok = PlainTextResponse("ok")
+
+    def status(config: HttpConfig, path: str, token: str | None = None) -> int:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        return TestClient(_Guard(ok, config)).get(path, headers=headers).status_code
+
+    v1_only = HttpConfig(token="api")  # as vLLM's --api-key: /v1 only
+    assert status(v1_only, "/metrics") == 200
+    assert status(v1_only, "/v1/models") == 401 and status(v1_only, "/v1/models", "api") == 200
+    both = HttpConfig(token="api", metrics_token="scrape")
+    assert status(both, "/metrics") == 401 and status(both, "/metrics", "api") == 401
+    assert status(both, "/metrics", "scrape") == 200
+    assert status(both, "/v1/models", "scrape") == 401
