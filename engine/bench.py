@@ -174,7 +174,7 @@ def stall_run(llm: LLM, policy: str, budget: int, args: argparse.Namespace) -> S
         llm.step()
         steps += 1
     wall = llm.now() - t_start
-    llm._event_hooks.remove(hook)
+    llm.remove_event_hook(hook)
     itl = [b - a for ts in token_times.values() for a, b in zip(ts, ts[1:], strict=False)]
     out_tokens = sum(len(ts) for ts in token_times.values()) + 16
     return StallResult(
@@ -365,7 +365,7 @@ def sweep(args: argparse.Namespace) -> None:
             try:
                 wall = run_arrivals(llm, arrivals, prompts)
             finally:
-                llm._event_hooks.remove(trace)
+                llm.remove_event_hook(trace)
                 trace.close()
             row = summary_row(policy, budget, read_jsonl(path))
             rows.append(row)

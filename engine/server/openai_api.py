@@ -241,6 +241,16 @@ class Generation:
             if pieces:
                 yield pieces
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's (a one-choice request's: its own)."""
+        return self.choices[0].finish_reason
+
+    async def text_batches(self) -> AsyncIterator[list[str]]:
+        """`batches` as the text of each piece, for callers that want text only."""
+        async for pieces in self.batches():
+            yield [p.text for p in pieces]
+
     def _ended(self, choice: Choice) -> None:
         self.api.router.unregister(choice.uid)
         if choice.finish_reason == "stop" and choice.matcher.stopped:

@@ -42,6 +42,7 @@ from engine.server.openai_schema import (
     bad,
     parse_request,
 )
+from engine.server.sglang_api import SglangWorker
 from instrumentation.errors import EngineError, NotFound, TooLarge
 from instrumentation.publisher import origin_allowed
 from instrumentation.sampling import SamplingParams
@@ -55,16 +56,15 @@ Message = dict[str, Any]
 
 
 def build_app(api: HttpApi) -> ASGIApp:
-    app: ASGIApp = _Guard(Endpoints(api).app(), api.config)
+    routes = Endpoints(api).app()
+    app: ASGIApp = _Guard(routes, api.config)
     if api.metrics.compat == "vllm":  # vLLM's http_requests_total and durations
         from engine.server.prometheus_vllm import HttpStats
 
-        api.metrics.http = HttpStats(frozenset(ROUTES))
+        paths = frozenset(getattr(r, "path", "") for r in routes.routes)
+        api.metrics.http = HttpStats(paths)
         app = _Timed(app, api.metrics.http)
     return app
-
-
-ROUTES = ("/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions")
 
 
 class _Timed:
@@ -178,6 +178,7 @@ class Endpoints:
             Route("/metrics", endpoint(self._metrics), methods=["GET"]),
             Route("/v1/completions", endpoint(completions), methods=["POST"]),
             Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
+            *SglangWorker(self).routes(endpoint),  # what SGLang's Model Gateway calls
         ]
         return Starlette(
             routes=routes,
@@ -208,8 +209,25 @@ class Endpoints:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
-    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
-        req = parse_request(await self._read_body(request), endpoint)
+    def parse(self, obj: Any, endpoint: Endpoint) -> GenerationRequest:
+        return parse_request(obj, endpoint)
+
+    def event_stream(self, body: AsyncIterator[bytes], gen: Generation) -> Response:
+        return EventStreamResponse(body, gen)  # type: ignore[return-value]
+
+    async def read_json(self, request: Request) -> Any:
+        """The body as JSON (jiter's parser: a lone surrogate is invalid, as on /v1)."""
+        from pydantic_core import from_json
+
+        try:
+            return from_json(await self._read_body(request))
+        except ValueError as exc:
+            raise bad(f"the body is not valid JSON: {str(exc)[:120]}") from None
+
+    async def start(
+        self, req: GenerationRequest, source: str = "http"
+    ) -> tuple[Generation, ResponseHead]:
+        """Check the model and the queue, tokenize, submit: the request's Generation."""
         if req.model is not None and req.model not in self.api.model_names:
             raise ApiError(
                 404, f"The model `{req.model}` does not exist.", code="model_not_found",
@@ -222,12 +240,16 @@ class Endpoints:
             )  # fmt: skip
         # off the HTTP loop: tokenizing a long prompt must not hold up other clients
         prompts = await asyncio.to_thread(self._encode, req)
-        gen = self._submit(req, prompts, Stream(asyncio.get_running_loop()))
+        gen = self._submit(req, prompts, Stream(asyncio.get_running_loop()), source)
         self.api.wake()
-        prefix = "cmpl" if endpoint == "completion" else "chatcmpl"
-        head = ResponseHead(
-            f"{prefix}-{gen.choices[0].uid}-{secrets.token_hex(6)}", self.api.model, endpoint
-        )
+        prefix = "cmpl" if req.endpoint == "completion" else "chatcmpl"
+        uid = gen.choices[0].uid
+        head = ResponseHead(f"{prefix}-{uid}-{secrets.token_hex(6)}", self.api.model, req.endpoint)
+        return gen, head
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        req = parse_request(await self._read_body(request), endpoint)
+        gen, head = await self.start(req)
         if req.stream:
             return EventStreamResponse(self._events(gen, head, req), gen)  # type: ignore[return-value]
         watcher = asyncio.create_task(_watch_disconnect(request.receive, gen))
@@ -246,7 +268,11 @@ class Endpoints:
         return JSONResponse(head.response(choices, gen.usage))
 
     def _submit(
-        self, req: GenerationRequest, prompts: list[tuple[list[int], str]], stream: Stream
+        self,
+        req: GenerationRequest,
+        prompts: list[tuple[list[int], str]],
+        stream: Stream,
+        source: str,
     ) -> Generation:
         """Submit n engine requests per prompt, all routed to `stream`; all or none."""
         params = [self._params(req, ids, j) for ids, _ in prompts for j in range(req.n)]
@@ -257,7 +283,7 @@ class Endpoints:
             try:
                 for k, p in enumerate(params):
                     ids, text = prompts[k // req.n]
-                    uid = self.llm.submit(ids, p, source="http")
+                    uid = self.llm.submit(ids, p, source=source)
                     self.router.register(uid, stream)
                     choices.append(Choice(k, uid, ids, text if req.echo else None, req))
             except EngineError:
