@@ -71,6 +71,8 @@ class StopMatcher:
         self.stopped = False
 
     def push(self, piece: str) -> str:
+        if not self.stops:
+            return piece  # nothing to hold back (and no text to keep)
         if self.stopped:
             return ""
         start = max(0, len(self.text) - self.hold)  # a match may begin in the held tail

@@ -5,4 +5,6 @@ engine's model code, so a dashboard or notebook can reuse it. Import the submodu
 """
 
 PROTOCOL_VERSION = 1
-PROTOCOL_MINOR = 1  # v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged
+# v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged; v1.2: logprobs on
+# `token` and `first_token`, the figures of an `aborted` request, prefill/decode/inference times
+PROTOCOL_MINOR = 2

@@ -332,6 +332,8 @@ class Endpoints:
         offsets = [0] * len(gen.choices)  # completions' text_offset, per choice
 
         def chunk(piece: Piece, reason: str | None = None, role: bool = False) -> bytes:
+            if not (piece.logprobs or reason or role or continuous):
+                return head.text_chunk(piece.index, piece.text)  # the hot path
             logprobs = None
             if piece.logprobs:
                 logprobs = self._logprobs(req, piece.logprobs, offsets[piece.index])

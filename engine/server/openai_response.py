@@ -10,6 +10,7 @@ bytes, top_logprobs}]}`. Token strings are each id decoded alone, as vLLM writes
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +105,7 @@ class ResponseHead:
     model: str
     endpoint: Endpoint
     created: int = field(default_factory=lambda: int(time.time()))
+    _templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict, compare=False)
 
     def _base(self, obj: str) -> Message:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -139,6 +141,21 @@ class ResponseHead:
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}  # fmt: skip
         return {**self._base("chat.completion.chunk"), "choices": [choice]}
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        """`chunk(index, text)` as its server-sent event, from a template made once per choice:
+        only the text is encoded per token (the hot path of a stream)."""
+        head, tail = self._templates.get(index) or self._template(index)
+        if self.endpoint == "chat" and not text:
+            return head[: -len(b'"content":')] + b"}" + tail[1:]  # an empty delta: {}
+        return head + json.dumps(text).encode() + tail
+
+    def _template(self, index: int) -> tuple[bytes, bytes]:
+        mark = "\x00text\x00"
+        body = json.dumps(self.chunk(index, mark), separators=(",", ":"))
+        head, tail = body.encode().split(json.dumps(mark).encode())
+        self._templates[index] = (b"data: " + head, tail + b"\n\n")
+        return self._templates[index]
 
     def usage_chunk(self, usage: Usage) -> Message:
         obj = "text_completion" if self.endpoint == "completion" else "chat.completion.chunk"
