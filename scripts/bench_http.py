@@ -5,6 +5,8 @@
     python scripts/bench_http.py --model Qwen/Qwen3-0.6B --load-format dummy --device cuda \
         --policy mixed --budget 8192 --prompt-len 512 --output-len 256 --streams 1,16,64,256
 
+`--hot-path` times only the HTTP side's Python per token (router, streams, SSE bytes).
+
 For each stream count N, the same N requests (random prompts of --prompt-len tokens, --output-len
 tokens each, ignore_eos) run twice:
 
@@ -151,6 +153,51 @@ async def http_run(url: str, n: int, args: argparse.Namespace, vocab: int) -> tu
     return (in_window / (end - start) if end > start else float("nan")), itl
 
 
+def hot_path(streams: int = 64, tokens: int = 200) -> float:
+    """CPU seconds per token of the HTTP side alone (router, streams, choices, SSE bytes), fed
+    one step's token per stream at a time as the publisher would: no engine, no sockets."""
+    from types import SimpleNamespace
+
+    from engine.server.openai_api import Choice, Generation, Router, Stream
+    from engine.server.openai_app import Endpoints
+    from engine.server.openai_response import ResponseHead
+    from engine.server.openai_schema import parse_request
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        router = Router()
+        api = SimpleNamespace(router=router, stop_request=None, abort=None)
+        ep = Endpoints.__new__(Endpoints)
+        ep.api = api  # type: ignore[assignment]
+        req = parse_request({"prompt": "p", "stream": True, "max_tokens": tokens}, "completion")
+        tasks = []
+        for uid in range(streams):
+            stream = Stream(loop)
+            router.register(uid, stream)
+            gen = Generation(api, stream, [Choice(0, uid, [1], None, req)], 1)  # type: ignore[arg-type]
+            head = ResponseHead(f"cmpl-{uid}", "m", "completion")
+
+            async def drain(g: Generation = gen, h: ResponseHead = head) -> None:
+                async for _ in ep._events(g, h, req):
+                    pass
+
+            tasks.append(asyncio.create_task(drain()))
+        await asyncio.sleep(0)
+        t0 = time.process_time()
+        for _ in range(tokens):
+            for uid in range(streams):
+                router.sink({"type": "token", "uid": uid, "t": 1.0, "token_id": 5, "text": " w"})
+            for _ in range(2):
+                await asyncio.sleep(0)
+        for uid in range(streams):
+            router.sink({"type": "request", "uid": uid, "event": "finished", "t": 2.0,
+                         "finish_reason": "length"})  # fmt: skip
+        await asyncio.gather(*tasks)
+        return (time.process_time() - t0) / (streams * tokens)
+
+    return asyncio.run(run())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a directory or a hub id")
@@ -163,7 +210,16 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--streams", default="1,16,64")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--hot-path",
+        action="store_true",
+        help="only the HTTP side's CPU per token at 64 streams (no engine, no sockets)",
+    )
     args = p.parse_args()
+    if args.hot_path:
+        runs = sorted(hot_path() for _ in range(5))
+        print(f"HTTP side, 64 streams: {runs[2] * 1e6:.1f} us CPU per token (median of 5)")
+        return 0
     counts = [int(x) for x in args.streams.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model = model_path(args.model, Path(tmp))
