@@ -441,6 +441,31 @@ def test_streamed_logprobs_are_the_whole_responses(
     assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
 
 
+def test_batched_prompts_and_n_stream_every_choice_by_index(
+    server: ApiServer, client: openai.OpenAI, model: str
+) -> None:
+    prompts = [words(35, 5), words(36, 9)]
+    kw: dict[str, Any] = {"model": model, "max_tokens": 5, "temperature": 0,
+                          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    whole = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert whole.usage.completion_tokens == 20
+    texts = ["", "", "", ""]
+    reasons: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert texts == [c.text for c in whole.choices]
+    assert reasons == {0: "length", 1: "length", 2: "length", 3: "length"}
+    # echo without logprobs: the prompt's text, then the output
+    echoed = client.completions.create(prompt=prompts[0], echo=True, **kw).choices[0].text
+    assert echoed == prompts[0] + alone[0]
+
+
 def test_defaults_min_p_seed_and_stop_strings(
     server: ApiServer, client: openai.OpenAI, model: str
 ) -> None:
