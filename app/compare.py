@@ -1,10 +1,11 @@
-"""Two recordings side by side: timelines on aligned axes, one above the other, and a table of
-their headline figures with the difference. Pure: recordings in, figures and rows out.
+"""Two recordings side by side: charts on aligned axes, one above the other, and a table of
+their headline figures with the difference. Pure: recordings in, chart data and rows out.
 
-Each run is drawn from its own start (its first step at time 0 and step 0), and both figures get
-the same x range, so the same place on the page is the same moment of each run. The figures are
-the page's own timeline (`app.figures.timeline_figure`); the numbers are the shared fold's
-summary (`instrumentation.fold.summarize`), the same as the sweep's `summary.csv`.
+Each run is drawn from its own start (its first step at time 0 and step 0), and both charts get
+the same x range and batch height (`axes`), so the same place on the page is the same moment of
+each run. The charts are the page's own (the app.live component, fed each run whole through
+`record`); the numbers are the shared fold's summary (`instrumentation.fold.summarize`), the
+same as the sweep's `summary.csv`.
 """
 
 from __future__ import annotations
@@ -13,21 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import plotly.graph_objects as go
-
-from app import figures
-from app.derive import XMode
+from app.live.feed import Recorded
 from app.replay import Recording, ReplaySource
 from app.state import Message, Snapshot
 from instrumentation.fold import Summary, summarize
 
 REQUEST_TIMES = ("t_queued", "t_admitted", "t_first_token", "t_last_token", "t_finished")
-# (label, Summary field) in table order
+# (label, Summary field) in table order: the page headline's figures, over each whole recording
 METRICS: tuple[tuple[str, str], ...] = (
     ("TTFT p50 (s)", "ttft_p50_s"),
     ("TTFT p99 (s)", "ttft_p99_s"),
     ("ITL p50 (s)", "itl_p50_s"),
     ("ITL p99 (s)", "itl_p99_s"),
+    ("ITL p99.9 (s)", "itl_p999_s"),
     ("worst stall (s)", "worst_stall_s"),
     ("output tokens / s", "output_tok_s"),
     ("requests", "requests"),
@@ -44,6 +43,8 @@ class Side:
     summary: Summary
     policy: str | None
     budget: int | None
+    engine: dict[str, Any] | None
+    config: dict[str, Any] | None
 
 
 def folded(recording: Recording) -> Snapshot:
@@ -78,10 +79,14 @@ def side(recording: Recording) -> Side:
     config = snap.config or {}
     budget = steps[0].get("budget") if steps else config.get("max_extend_tokens")
     policy = steps[0].get("policy") if steps else config.get("policy")
-    return Side(recording.name, steps, requests, summarize(recording.messages), policy, budget)
+    summary = summarize(recording.messages)
+    return Side(recording.name, steps, requests, summary, policy, budget, snap.engine, config)
 
 
-def _x_extent(s: Side, x: XMode) -> tuple[float, float]:
+XMODES = ("step", "time")
+
+
+def _x_extent(s: Side, x: str) -> tuple[float, float]:
     if not s.steps:
         return (0.0, 1.0)
     if x == "time":
@@ -89,26 +94,26 @@ def _x_extent(s: Side, x: XMode) -> tuple[float, float]:
     return (float(s.steps[0]["step"]) - 0.5, float(s.steps[-1]["step"]) + 0.5)
 
 
-def timelines(a: Side, b: Side, x: XMode = "time") -> tuple[go.Figure, go.Figure]:
-    """Each run's timeline (batch composition over its request lanes), on one x range and
-    one batch-size range."""
-    figs = []
-    lo = min(_x_extent(a, x)[0], _x_extent(b, x)[0])
-    hi = max(_x_extent(a, x)[1], _x_extent(b, x)[1])
+def axes(a: Side, b: Side) -> dict[str, dict[str, Any]]:
+    """Per x mode, the x range that holds both runs and the batch chart's height (the tallest
+    bar of either), so both are drawn to one scale."""
     top = max(_batch_peak(a), _batch_peak(b))
-    for label, s in (("A", a), ("B", b)):
-        fig = figures.timeline_figure(s.steps, s.requests, x=x)
-        what = ", ".join(
-            p for p in (s.policy, None if s.budget is None else f"budget {s.budget}") if p
-        )
-        fig.update_layout(
-            title={"text": f"{label}: {s.name}" + (f" ({what})" if what else "")},
-            xaxis={"range": [lo, hi], "autorange": False},
-        )
-        if s.steps and top > 0:
-            fig.update_layout(yaxis={"range": [0, top * 1.08], "autorange": False})
-        figs.append(fig)
-    return figs[0], figs[1]
+    out = {}
+    for x in XMODES:
+        lo = min(_x_extent(a, x)[0], _x_extent(b, x)[0])
+        hi = max(_x_extent(a, x)[1], _x_extent(b, x)[1])
+        out[x] = {"x": [lo, hi], "y_top": top}
+    return out
+
+
+def title(label: str, s: Side) -> str:
+    what = ", ".join(p for p in (s.policy, None if s.budget is None else f"budget {s.budget}") if p)
+    return f"{label}: {s.name}" + (f" ({what})" if what else "")
+
+
+def record(s: Side) -> Recorded:
+    """The run rebased, as the charts' feed reads a store: every step and request at once."""
+    return Recorded(s.steps, s.requests, s.engine, s.config)
 
 
 def _batch_peak(s: Side) -> float:

@@ -8,9 +8,7 @@ map) refreshes once a second. If nothing answers at a local URL, the app starts
 `python -m engine.server --device auto`.
 
 Environment: STEPSCOPE_URL (default ws://127.0.0.1:8765), STEPSCOPE_MODEL (default smollm2),
-STEPSCOPE_AUTOSTART (0 turns the auto-start off), STEPSCOPE_ENGINE_ARGS (extra server flags),
-STEPSCOPE_CHARTS (`classic`: the previous charts, rebuilt in Python every second; also
-`?charts=classic` in the page's URL).
+STEPSCOPE_AUTOSTART (0 turns the auto-start off), STEPSCOPE_ENGINE_ARGS (extra server flags).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ DEFAULT_URL = os.environ.get("STEPSCOPE_URL", "ws://127.0.0.1:8765")
 MODEL = os.environ.get("STEPSCOPE_MODEL", "smollm2")
 AUTOSTART = os.environ.get("STEPSCOPE_AUTOSTART", "1") != "0"
 ENGINE_ARGS = tuple(shlex.split(os.environ.get("STEPSCOPE_ENGINE_ARGS", "")))
-CHARTS = os.environ.get("STEPSCOPE_CHARTS", "live")
 REFRESH_S = sidebar.REFRESH_S
 # An external engine's OpenAI endpoint: `streamlit run app/main.py -- --openai-url URL` or env.
 OPENAI_URL = external.openai_url_from(sys.argv[1:], os.environ)
@@ -74,11 +71,6 @@ def _argv(url: str) -> list[str]:
 
 def _restart_engine(launcher: Launcher, url: str) -> None:
     launcher.restart(_argv(url))
-
-
-def classic_charts() -> bool:
-    """The previous page (figures rebuilt in Python and re-sent every second), kept to compare."""
-    return (st.query_params.get("charts") or CHARTS) == "classic"
 
 
 def page_mode(link: EngineLink) -> external.ExternalMode:
@@ -227,32 +219,6 @@ def notices_line() -> None:
     (st.success if last.ok else st.error)(last.text)
 
 
-def classic_views(link: EngineLink) -> None:
-    """The previous page: every figure rebuilt in Python and re-sent each second."""
-    session.show_notices_now()
-    snap = session.view_snapshot(link)
-    if link.status().state != "connected" and not snap.steps:
-        return  # the loading progress above is the page until the engine is up
-    tabs = st.tabs(["Timeline", "KV cache", "Latency", "Requests"], key="tab", on_change="rerun")
-    policy = (snap.config or {}).get("policy")
-    if tabs[0].open:
-        with tabs[0]:
-            panels.timeline_view(snap, policy)
-            frozen = st.session_state.get("frozen")
-            if not session.is_live() and frozen is not None:
-                panels.inspect_slider(frozen)
-            panels.outputs_view(snap.requests)
-    if tabs[1].open:
-        with tabs[1]:
-            panels.kv_view(snap)
-    if tabs[2].open:
-        with tabs[2]:
-            panels.latency_view(snap)
-    if tabs[3].open:
-        with tabs[3]:
-            panels.requests_view(link, snap)
-
-
 def external_area(link: EngineLink) -> None:
     """An external engine's aggregate steps (the live charts draw per-request items)."""
     panels.external_charts(session.view_snapshot(link))
@@ -287,9 +253,7 @@ def lower_panels(link: EngineLink, abort_note: str | None = None) -> None:
 def detail_views(link: EngineLink, abort_note: str | None = None) -> None:
     """What the charts do not show, refreshed once a second while its tab is open."""
     session.show_notices_now()  # an Abort clicked here reran only this fragment
-    tabs = st.tabs(
-        ["Output text", "KV page map", "Latency", "Requests"], key="detail_tab", on_change="rerun"
-    )
+    tabs = st.tabs(["Output text", "KV page map", "Requests"], key="detail_tab", on_change="rerun")
     if tabs[0].open:
         with tabs[0]:
             panels.outputs_view(session.requests_snapshot(link))
@@ -298,9 +262,6 @@ def detail_views(link: EngineLink, abort_note: str | None = None) -> None:
             panels.page_map_view(link)
     if tabs[2].open:
         with tabs[2]:
-            panels.latency_view(session.view_snapshot(link, cap=panels.LATENCY_STEPS))
-    if tabs[3].open:
-        with tabs[3]:
             panels.requests_view(
                 link, session.view_snapshot(link, cap=panels.LATENCY_STEPS), abort_note
             )
@@ -338,9 +299,6 @@ def main() -> None:
     prompt_form(link, mode)
     notices_line()
     replay_ui.panels()
-    if classic_charts():
-        st.fragment(classic_views, run_every=every)(link)
-        return
     abort_note = ("Abort: " + mode.disabled_note()) if mode.external else None
     if mode.external:
         st.fragment(external_area, run_every=every)(link)

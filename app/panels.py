@@ -1,9 +1,10 @@
-"""The page's views: metric row, live charts, KV page map, latency and requests.
+"""The page's views: metric row, charts, KV page map, requests; a comparison and a sweep.
 
-The live charts are the `app.live` component (drawn in the browser from new steps only); the
-other views draw from a bounded snapshot in fragments that rerun every second while their tab
-is open. Classic figures come from `app.figures` (pure) and are memoized per tab on the data's
-version, so an idle engine costs no rebuilds.
+Every chart of a stepscope engine's steps is the `app.live` component, drawn in the browser:
+live and replayed steps from new steps only, a compared recording whole, the sweep's trade-off
+plot. The other views draw from a bounded snapshot in fragments that rerun every second while
+their tab is open. An external engine's aggregate steps and tensor-parallel ranks are plotly
+figures (app.aggregate, app.ranks), memoized per tab on the data's version.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app import aggregate, controls, figures, ranks, session
+from app import aggregate, compare, controls, ranks, session, sweep_view
 from app.client import EngineLink, NotConnected
-from app.derive import headline, stalls, tracks
+from app.derive import headline
 from app.kvmap import PageMapStore
-from app.live.component import kv_page_map
+from app.live.component import kv_page_map, recording_charts, sweep_plot
 from app.live.component import live_charts as _live_charts
 from app.live.feed import ViewOptions
+from app.live.style import request_color
 from app.state import Message, Snapshot
 from app.workloads import PresetRun
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
-LATENCY_STEPS = 2_000  # the latency figures and the requests' stalls read at most this many steps
+LATENCY_STEPS = 2_000  # the requests table and the ranks read at most this many steps
 PAGE_MAP_WAIT_S = 0.5
 
 TIMELINE_CAPTION = (
@@ -69,9 +71,16 @@ PAGE_MAP_CAPTION = (
     "yet allocated outlined. Abort a request and its cells return within one update."
 )
 ITL_CAPTION = (
-    "Time from each request's previous token to this one. **Red points** came after skipped "
-    "steps: the request was running but left out of the batch (a stall). The tail of this is "
-    "what a chatting user feels as a freeze."
+    "Time from each request's previous token to this one, at the step that sampled it. **Red "
+    "points** ended a stall: the request was running but steps ran without it. The tail of this "
+    "is what a chatting user feels as a freeze."
+)
+SWEEP_CAPTION = (
+    "One point per run, TTFT p50 against the tail you pick, one line per policy through its "
+    "token budgets (labelled). Pooled ITL p99 hides stalls: a policy can have the lowest ITL p99 "
+    "and the longest stall, so worst stall is the first view. Open markers: the run has no value "
+    "(no stall at all). Every figure is the shared fold's summary of the run's trace (summary.csv)."
+    " **Click a point to open that run.**"
 )
 
 
@@ -98,34 +107,47 @@ def _memo_key(snap: Snapshot, *extra: object) -> tuple:
 # ---- metric row -------------------------------------------------------------------------------
 
 
-def metrics_row(snap: Snapshot) -> None:
-    h = headline(snap.steps, snap.requests)
+def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
+    """The headline: the shared fold's Summary over the steps in `snap` (app.derive.headline),
+    with a caption that says which steps those are (`whole`: they are the whole recording)."""
+    h = headline(snap.steps, snap.requests, whole)
     external = aggregate.any_aggregate(snap.steps)
     if external:  # counts only: the engine's own rates, and no per-request facts
         h = aggregate.headline(snap.steps, h)
     cols = st.columns(7)
     cols[0].metric("tokens / s", "–" if h.tokens_per_s is None else f"{h.tokens_per_s:.1f}",
-                   help="Generated tokens per second over the last 10 s of engine time.")  # fmt: skip
-    for col, name, p50, p99, what in (
-        (cols[1], "TTFT", h.ttft_p50, h.ttft_p99, "Time to first token: queued to first token."),
-        (cols[2], "ITL", h.itl_p50, h.itl_p99, "Inter-token latency of the requests in view."),
-    ):
+                   help="Generated tokens per second over the steps the caption names.")  # fmt: skip
+    itl_tail = None if h.itl_p99 is None else f"p99 {_seconds(h.itl_p99)}"
+    if itl_tail is not None and h.itl_p999 is not None:
+        itl_tail += f" · p99.9 {_seconds(h.itl_p999)}"
+    ttft_tail = None if h.ttft_p99 is None else f"p99 {_seconds(h.ttft_p99)}"
+    for col, name, p50, tail, what in (
+        (cols[1], "TTFT", h.ttft_p50, ttft_tail, "Time to first token: queued to first token."),
+        (cols[2], "ITL", h.itl_p50, itl_tail, "Inter-token latency: gaps between a request's "
+         "tokens, every request pooled."),
+    ):  # fmt: skip
         col.metric(
             f"{name} p50",
             _seconds(p50),
-            delta=None if p99 is None else f"p99 {_seconds(p99)}",
+            delta=tail,
             delta_color="off",
             delta_arrow="off",
             help=what,
         )
     worst = "–" if external else "none" if h.worst_stall is None else _seconds(h.worst_stall)
+    notes = [] if h.worst_stall_uid is None else [f"request {h.worst_stall_uid}"]
+    if h.stalled_now:
+        notes.append(f"{h.stalled_now} stalled now, {_seconds(h.stalled_now_s)}")
     cols[3].metric(
         "worst stall",
         worst,
-        delta=None if h.worst_stall_uid is None else f"request {h.worst_stall_uid}",
+        delta=" · ".join(notes) or None,
         delta_color="red",
         delta_arrow="off",
-        help="The longest wait of a running request that was left out of steps.",
+        help="The longest stall: a gap between two of a request's tokens during which at "
+        "least one step ran without it (docs/protocol.md). Stalled now: running requests "
+        "left out of the steps since their last token; their wait becomes a stall when their "
+        "next token comes.",
     )
     kv = "–" if h.kv_used is None else f"{h.kv_used:.1%}"
     cached = None if h.kv_cached is None else f"+ {h.kv_cached:.1%} cached"
@@ -146,6 +168,10 @@ def metrics_row(snap: Snapshot) -> None:
         delta_color="off",
         delta_arrow="off",
     )
+    if external:
+        st.caption(f"Over {h.scope}; tokens/s and KV as the engine logged them.")
+    else:
+        st.caption(f"Tokens/s, TTFT, ITL and worst stall over {h.scope}.")
 
 
 def _last_step_note(last: Message) -> str:
@@ -193,6 +219,7 @@ def _captions(policy: str | None) -> dict[str, str]:
         "timeline": TIMELINE_CAPTION + " " + POLICY_CAPTIONS.get(policy or "", ""),
         "kv": KV_CAPTION,
         "progress": PROGRESS_CAPTION,
+        "latency": ITL_CAPTION,
     }
 
 
@@ -227,37 +254,6 @@ def page_map_view(link: EngineLink) -> None:
     kv_page_map("kvmap", None if message else store.page_map(), message)
 
 
-# ---- timeline ---------------------------------------------------------------------------------
-
-
-def timeline_view(snap: Snapshot, policy: str | None) -> None:
-    xmode = st.session_state.get("xmode", "step")
-    if aggregate.any_aggregate(snap.steps):
-        st.caption(aggregate.NO_LANES_CAPTION)
-    else:
-        st.caption(TIMELINE_CAPTION + " " + POLICY_CAPTIONS.get(policy or "", ""))
-    chart(
-        "timeline",
-        _memo_key(snap, xmode),
-        lambda: figures.timeline_figure(snap.steps, snap.requests, x=xmode),
-    )
-
-
-def inspect_slider(frozen: Snapshot) -> None:
-    """While paused: choose which recorded steps to draw (a server-side zoom)."""
-    if len(frozen.steps) < 2:
-        return
-    lo, hi = frozen.steps[0]["step"], frozen.steps[-1]["step"]
-    n = session.window_steps() or (hi - lo + 1)
-    st.slider(
-        "Inspect recorded steps (paused)",
-        min_value=lo,
-        max_value=hi,
-        value=st.session_state.get("inspect") or (max(lo, hi - n + 1), hi),
-        key="inspect",
-    )
-
-
 def outputs_view(requests: Sequence[Message], limit: int = 8) -> None:
     """The newest requests' output text as it streams, in each request's colour."""
     live = [r for r in requests if r.get("state") in ("waiting", "running")]
@@ -267,7 +263,7 @@ def outputs_view(requests: Sequence[Message], limit: int = 8) -> None:
         return
     rows = []
     for r in shown:
-        color = figures.request_color(int(r["uid"]))
+        color = request_color(int(r["uid"]))
         # One line per request: the newest words matter, and newlines would spread the list.
         raw = " ".join((r.get("text") or "").split())
         text = html.escape(raw if len(raw) <= 240 else "…" + raw[-240:])
@@ -280,60 +276,6 @@ def outputs_view(requests: Sequence[Message], limit: int = 8) -> None:
         )
     st.markdown("**Output as it streams**")
     st.markdown("\n".join(rows), unsafe_allow_html=True)
-
-
-# ---- KV cache ---------------------------------------------------------------------------------
-
-
-def kv_view(snap: Snapshot) -> None:
-    xmode = st.session_state.get("xmode", "step")
-    engine = snap.engine or {}
-    pool = (
-        f"Pool: {engine.get('num_pages', '?'):,} pages × {snap.page_size} token(s), "
-        f"{engine.get('cache_type', 'prefix')} cache."
-        if engine.get("num_pages") is not None
-        else ""
-    )
-    if aggregate.any_aggregate(snap.steps):
-        st.caption(aggregate.NO_LANES_CAPTION)  # the figure is the aggregate one: usage only
-    else:
-        st.caption(KV_CAPTION + " " + pool)
-    whole = st.toggle(
-        "Whole pool",
-        key="kv_whole_pool",
-        help="Off: the axis stops just above the pages in use, so a big pool stays readable.",
-    )
-    chart(
-        "kv",
-        _memo_key(snap, xmode, whole),
-        lambda: figures.kv_figure(snap.steps, snap.page_size, xmode, whole_pool=whole),
-    )
-
-
-# ---- latency ----------------------------------------------------------------------------------
-
-
-def latency_view(snap: Snapshot) -> None:
-    if aggregate.any_aggregate(snap.steps):
-        st.info(
-            "No per-request latencies: this source carries counts, not request ids, so token "
-            "times, TTFT, ITL and stalls are not known. The engine's logged throughput is in the "
-            "metric row."
-        )
-        return
-    left, right = st.columns(2)
-    with left:
-        st.markdown("**Decode progress**")
-        st.caption(PROGRESS_CAPTION)
-        chart(
-            "progress",
-            _memo_key(snap),
-            lambda: figures.decode_progress_figure(snap.steps, snap.requests),
-        )
-    with right:
-        st.markdown("**Inter-token latency**")
-        st.caption(ITL_CAPTION)
-        chart("itl", _memo_key(snap), lambda: figures.itl_figure(snap.steps, snap.requests))
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -357,7 +299,7 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
         st.markdown("**In flight**")
     for r in live:
         uid = int(r["uid"])
-        color = figures.request_color(uid)
+        color = request_color(uid)
         c1, c2, c3 = st.columns([1.2, 6, 1])
         c1.markdown(
             f"<span style='color:{color};font-weight:600'>■ req {uid}</span> · {r['state']}",
@@ -379,13 +321,10 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
     if not snap.requests:
         st.info("No requests yet.")
         return
-    worst: dict[int, float] = {}
-    by_uid = {int(r["uid"]): r for r in snap.requests}
-    for stall in stalls(snap.steps, tracks(snap.steps), by_uid):
-        worst[stall.uid] = max(worst.get(stall.uid, 0.0), stall.seconds)
     rows = []
     for r in snap.requests[::-1]:
         tq, tf, te = r.get("t_queued"), r.get("t_first_token"), r.get("t_finished")
+        stall = (r.get("metrics") or {}).get("max_stall_seconds")  # the protocol's stall
         rows.append(
             {
                 "uid": r["uid"],
@@ -397,7 +336,7 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
                 "max_tokens": r.get("max_tokens"),
                 "TTFT (s)": None if tf is None or tq is None else round(tf - tq, 3),
                 "latency (s)": None if te is None or tq is None else round(te - tq, 3),
-                "worst stall (s)": round(worst[r["uid"]], 3) if r["uid"] in worst else None,
+                "worst stall (s)": None if stall is None else round(stall, 3),
                 "text": r.get("text") or r.get("message") or "",
             }
         )
@@ -442,4 +381,31 @@ def ranks_view(steps: Sequence[Message], engine: dict | None) -> None:
     )
     chart(
         "ranks", (len(steps), numbers[-1] if numbers else None), lambda: ranks.ranks_figure(steps)
+    )
+
+
+# ---- a comparison and a sweep -----------------------------------------------------------------
+
+
+def compare_charts(a: compare.Side, b: compare.Side, xmode: str) -> None:
+    """Two recordings' charts, one above the other, each drawn whole on the same axes (zooming
+    one zooms both)."""
+    axes = compare.axes(a, b)
+    for label, side in (("A", a), ("B", b)):
+        recording_charts(
+            f"compare_{label.lower()}",
+            compare.record(side),
+            title=compare.title(label, side),
+            axes=axes,
+            link="compare",
+            xmode=xmode,
+            captions=_captions(side.policy),
+        )
+
+
+def sweep_chart(sweep: sweep_view.SweepFolder, on_select: Callable[[], None]) -> None:
+    """The sweep's trade-off plot; a click on a point calls `on_select` (the run it names is
+    `sweep_view.selected_run(sweep, st.session_state["sweep_chart"])`)."""
+    sweep_plot(
+        "sweep_chart", sweep_view.points(sweep), sweep.title, SWEEP_CAPTION, on_select=on_select
     )

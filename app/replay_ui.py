@@ -23,6 +23,7 @@ import pandas as pd
 import streamlit as st
 
 from app import compare, sweep_view
+from app import panels as views
 from app.replay import MAX_SPEED, MIN_SPEED, Recording, ReplayLink, ReplaySource, open_recording
 
 SOURCE = "replay_source"
@@ -35,7 +36,7 @@ PLAY_REFRESH_S = 0.5
 # per-tab view state that belongs to the previous source (app.session, app.live): a new source
 # starts them afresh, as a new engine would
 VIEW_KEYS = ("live_feeds", "live_sent_policy", "facts_cursor", "frozen", "inspect",
-             "figure_memo", "synced_config", "restarts_seen")  # fmt: skip
+             "figure_memo", "recording_batches", "synced_config", "restarts_seen")  # fmt: skip
 assert MIN_SPEED == SPEEDS[0] and MAX_SPEED == SPEEDS[-1]
 
 
@@ -290,10 +291,7 @@ def comparison() -> None:
     a, b = compare.side(src.recording), compare.side(rec_b)
     rows = [{k: _fmt(v) for k, v in r.items()} for r in compare.table(a, b)]
     st.dataframe(pd.DataFrame(rows), hide_index=True, key="compare_table")
-    xmode = st.session_state.get("xmode", "time")
-    fig_a, fig_b = compare.timelines(a, b, x=xmode)
-    st.plotly_chart(fig_a, key="compare_a")
-    st.plotly_chart(fig_b, key="compare_b")
+    views.compare_charts(a, b, xmode=st.session_state.get("xmode", "time"))
     st.button(f"Open B ({rec_b.name}) in the page", key="compare_open_b",
               on_click=_open_compared)  # fmt: skip
 
@@ -303,13 +301,7 @@ def sweep_panel() -> None:
     if sweep is None:
         return
     st.markdown("### Sweep")
-    st.caption(
-        "ITL p99 against TTFT p50, one line per policy through its token budgets (from "
-        "summary.csv, computed by the shared fold from each run's trace). Click a point to "
-        "open that run."
-    )
-    st.plotly_chart(sweep_view.figure(sweep), key="sweep_chart", on_select=_on_sweep_select,
-                    selection_mode="points")  # fmt: skip
+    views.sweep_chart(sweep, on_select=_on_sweep_select)
     st.dataframe(pd.DataFrame([_row(r) for r in sweep.rows]), hide_index=True)
 
 

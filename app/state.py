@@ -71,6 +71,7 @@ class EventStore:
     def __init__(self, max_steps: int = MAX_STEPS, max_log: int = MAX_LOG) -> None:
         self._lock = threading.Lock()
         self._replied = threading.Condition(self._lock)
+        self._stepped = threading.Condition(self._lock)  # a step folded, or history replaced
         self._fold = Fold(max_steps=max_steps, max_ended=MAX_ENDED_REQUESTS)
         # the version at which each kept step was folded, for `delta`
         self._step_versions: deque[int] = deque(maxlen=max_steps)
@@ -99,6 +100,7 @@ class EventStore:
             self._version += 1
             if kind == "hello":
                 self._apply_hello(msg)
+                self._stepped.notify_all()
             else:
                 self._log.append(msg)
                 before = self._fold.num_steps
@@ -106,6 +108,7 @@ class EventStore:
                     self._gap_pending = True  # keep folding; the resync's hello fills the gap
                 if self._fold.num_steps != before:
                     self._step_versions.append(self._version)
+                    self._stepped.notify_all()
                     self._last_t = max(self._last_t, float(msg.get("t1", self._last_t)))
                 if kind in ("request", "token") and "uid" in msg:
                     self._touch(int(msg["uid"]))
@@ -208,6 +211,7 @@ class EventStore:
             fold._ended_bytes = 0
             self._version += 1
             self._reset_version = self._version
+            self._stepped.notify_all()
 
     # ---- reading (any thread) ------------------------------------------------------------
 
@@ -287,6 +291,17 @@ class EventStore:
         with self._replied:
             self._replied.wait_for(lambda: command_id in self._replies, timeout=timeout)
             return self._replies.get(command_id)
+
+    def wait_for_step(self, after: int, timeout: float) -> bool:
+        """Until a step newer than version `after` is folded or the history is replaced (the
+        live charts' pull waits here instead of polling); False on timeout."""
+
+        def news() -> bool:
+            last = self._step_versions[-1] if self._step_versions else -1
+            return last > after or self._reset_version > after
+
+        with self._stepped:
+            return self._stepped.wait_for(news, timeout=timeout)
 
     def reply(self, command_id: str) -> Message | None:
         with self._lock:

@@ -1,19 +1,20 @@
-"""A sweep folder in the page: its trade-off curve, and which run a clicked point is. Pure.
+"""A sweep folder in the page: its trade-off points, and which run a clicked point is. Pure.
 
 A sweep folder is what `python -m engine.bench --workload sweep --out DIR` writes
-(instrumentation.sweep): one `<policy>-<budget>.jsonl` per run, and `summary.csv`. The figure is
-the same one the bench writes to `tradeoff.html`; each point's customdata starts with its run
-file's name, so a click (Streamlit's `on_select`) says which recording to open.
+(instrumentation.sweep): one `<policy>-<budget>.jsonl` per run, and `summary.csv`. The page draws
+the trade-off in its chart component (app/live/static/sweep.js) from the folder's rows, each
+point named by its run file, so a click says which recording to open (`tradeoff.html` is the
+sweep's own file output, not what the page draws).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from instrumentation.sweep import SweepRow, load_rows, parse_run_name, run_files, tradeoff_figure
+from instrumentation.sweep import SweepRow, load_rows, parse_run_name, run_file, run_files
 
 
 @dataclass(frozen=True)
@@ -38,37 +39,29 @@ def load(folder: str | Path) -> SweepFolder:
     return SweepFolder(folder, load_rows(folder), runs)
 
 
-def figure(sweep: SweepFolder) -> Any:
-    return tradeoff_figure(sweep.rows, title=sweep.title)
+# the row figures the trade-off plot reads: x, then the y metrics it offers
+POINT_FIGURES = ("ttft_p50_s", "worst_stall_s", "itl_p999_s", "itl_p99_s")
 
 
-def run_of_point(point: Mapping[str, Any]) -> str | None:
-    """The run file a selected point names (its customdata's first entry)."""
-    custom = point.get("customdata")
-    if isinstance(custom, Sequence) and not isinstance(custom, str) and custom:
-        name = custom[0]
-    else:
-        name = custom
-    return name if isinstance(name, str) and parse_run_name(name) else None
+def points(sweep: SweepFolder) -> list[dict[str, Any]]:
+    """One point per run for the page's trade-off plot (app/live/static/sweep.js): its run file,
+    policy, budget and the summary's figures."""
+    return [
+        {
+            "run": run_file(r.policy, r.budget),
+            "policy": r.policy,
+            "budget": r.budget,
+            **{name: getattr(r, name) for name in POINT_FIGURES},
+        }
+        for r in sweep.rows
+    ]
 
 
-def selected_run(sweep: SweepFolder, selection: Any) -> Path | None:
-    """The run file of the first selected point of a `st.plotly_chart(on_select=...)` event."""
-    points = _points(selection)
-    for point in points:
-        name = run_of_point(point)
-        if name is not None and name in sweep.runs:
-            return sweep.runs[name]
+def selected_run(sweep: SweepFolder, state: Any) -> Path | None:
+    """The run file a click on the plot chose: the component's `selected` state
+    (`{"run": name, "n": clicks}`), if it names one of the folder's runs."""
+    selected = state.get("selected") if isinstance(state, Mapping) else None
+    name = selected.get("run") if isinstance(selected, Mapping) else None
+    if isinstance(name, str) and parse_run_name(name) and name in sweep.runs:
+        return sweep.runs[name]
     return None
-
-
-def _points(selection: Any) -> list[Mapping[str, Any]]:
-    if selection is None:
-        return []
-    sel = selection.get("selection") if isinstance(selection, Mapping) else None
-    if sel is None:
-        sel = getattr(selection, "selection", None)
-    if sel is None:
-        return []
-    points = sel.get("points") if isinstance(sel, Mapping) else getattr(sel, "points", None)
-    return list(points or [])

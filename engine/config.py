@@ -17,9 +17,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypeVar
 
 from instrumentation.errors import InvalidRequest
+from instrumentation.protocol import CACHE_TYPES, POLICY_NAMES
 
-POLICY_NAMES = ("prefill_first", "mixed")
-CACHE_TYPES = ("radix", "naive")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")

@@ -27,7 +27,6 @@ from engine.kvcache.manager import KVSnapshot, pages_for
 from engine.request import RequestState
 from engine.step import Command, Hooks, StepPipeline, prompt_logprobs
 from instrumentation.errors import InvalidRequest, NotFound, TooLarge
-from instrumentation.metrics import request_metrics
 from instrumentation.records import EngineEvent, KVStats, QueueStats, StepRecord
 from instrumentation.sampling import SamplingParams
 
@@ -156,6 +155,7 @@ class LLM:
         self.hooks.event.append(fn)
 
     def remove_event_hook(self, fn: Callable[[EngineEvent], None]) -> None:
+        """Stop calling fn (added by `add_event_hook`); ValueError if it was not added."""
         self.hooks.event.remove(fn)
 
     def add_wait_hook(self, fn: Callable[[], None]) -> None:
@@ -163,6 +163,10 @@ class LLM:
         step. Work handed to another thread there (the server's events) runs while the device
         computes, instead of taking the GIL from the engine thread while it schedules."""
         self.hooks.wait.append(fn)
+
+    def remove_wait_hook(self, fn: Callable[[], None]) -> None:
+        """Stop calling fn (added by `add_wait_hook`); ValueError if it was not added."""
+        self.hooks.wait.remove(fn)
 
     # -- commands (any thread) -----------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -301,7 +305,7 @@ class LLM:
             "cached_len": st.cached_len,
             **({} if st.params.logprobs is None else {"logprobs": st.output_logprobs}),
             **({} if st.params.prompt_logprobs is None else prompt_logprobs(st)),
-            "metrics": request_metrics(st.t_queued, st.t_admitted, st.token_times),
+            "metrics": st.metrics(),
         }
 
     # -- offline -------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from engine.request import Req, RequestState
 from engine.runner import Launched
 from engine.scheduler.batch import Batch
 from engine.scheduler.policy import POLICIES, SchedulePolicy
-from instrumentation.metrics import request_metrics
 from instrumentation.records import (
     EngineEvent,
     KVStats,
@@ -229,7 +228,7 @@ class StepPipeline:
                 # token is dropped, and its item is marked wasted
                 gone.add(req.uid)
                 continue
-            req.append_token(tok, t1)
+            req.append_token(tok, t1, self.step_no)  # the number its record will carry
             token = TokenEvent(req.uid, t1, tok, st.detok.push(tok))
             if logprobs is not None and st.params.logprobs is not None:
                 lp, top = logprobs[i]
@@ -286,7 +285,7 @@ class StepPipeline:
         return record
 
     def _metrics(self, st: RequestState) -> dict[str, Any]:
-        m = request_metrics(st.t_queued, st.t_admitted, st.token_times)
+        m = st.metrics()
         m.pop("inter_token_latency_seconds")  # the token events carry those
         return m
 

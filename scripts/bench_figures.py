@@ -1,20 +1,18 @@
-"""How long a dashboard redraw takes: every figure built from a long trace, then serialized;
-and what one live update costs instead.
+"""What one live update of the page's charts costs: the feed's Python work and bytes per update,
+and (with --browser) the main-thread time of drawing it in Chromium.
 
-    python scripts/bench_figures.py                       # synthetic 5,000-step trace
-    python scripts/bench_figures.py --trace run.jsonl     # a trace from engine.server --trace
-    python scripts/bench_figures.py --live --requests 64 --browser   # per-update cost
+    python scripts/bench_figures.py                        # 64 requests, 5 new steps per update
+    python scripts/bench_figures.py --requests 64 --browser
 
-A redraw is what a classic fragment rerun does per chart: build the figure from the recorded
-events (app.figures) and serialize it to the JSON that `st.plotly_chart` sends (to_dict +
-to_json). Prints the median of --repeat runs per figure and window, and the whole page's sum.
+With `window` steps already in the browser, one update is the store's delta for the steps that
+arrived since the last (`--batch`, about a quarter second of engine steps), encoded by the feed
+(app/live): its Python time and its bytes. `--browser` also replays those updates in Debian's
+chromium and reports the main-thread time per update (the `stepscope-update` measure of
+app/live/static/view.js) next to the same browser's floor, one Plotly.react of a 1,000-point line.
 
-`--live` measures the live charts (app/live) instead: with `window` steps already in the
-browser, one update is the store's delta for the steps that arrived since the last (`--batch`,
-about a quarter second of engine steps), encoded by the feed: its Python time and its bytes.
-`--browser` also replays those updates in Debian's chromium and reports the main-thread time
-per update (the `stepscope-update` measure of app/live/static/live.js) next to the same
-browser's floor, one Plotly.react of a 1,000-point line.
+The classic Python figures this script measured before are gone (issue 24); their last
+measurement is in docs/benchmarks.md. Whether the page keeps up with a real engine is
+scripts/bench_live_page.py.
 """
 
 from __future__ import annotations
@@ -23,59 +21,12 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import plotly.graph_objects as go  # noqa: E402
-import plotly.io as pio  # noqa: E402
-
-from app import figures  # noqa: E402
-from app.derive import headline  # noqa: E402
-from app.state import EventStore, Snapshot  # noqa: E402
-
-
-def load(trace: Path | None, steps: int) -> Snapshot:
-    store = EventStore(max_steps=max(steps, 1))
-    if trace is None:
-        from tests.app.app_peer import synthetic_trace
-
-        messages = synthetic_trace(steps)
-    else:
-        from instrumentation.trace import read_jsonl
-
-        messages = list(read_jsonl(trace))
-    for msg in messages:
-        store.apply(msg)
-    return store.snapshot()
-
-
-def builders(snap: Snapshot) -> dict[str, Callable[[list[dict]], go.Figure | object]]:
-    reqs = snap.requests
-    return {
-        "timeline (step x)": lambda s: figures.timeline_figure(s, reqs, x="step"),
-        "timeline (time x)": lambda s: figures.timeline_figure(s, reqs, x="time"),
-        "KV pool": lambda s: figures.kv_figure(s, page_size=snap.page_size),
-        "decode progress": lambda s: figures.decode_progress_figure(s, reqs),
-        "inter-token latency": lambda s: figures.itl_figure(s, reqs),
-        "headline metrics": lambda s: headline(s, reqs),
-    }
-
-
-def measure(build: Callable[[], object], repeat: int) -> tuple[float, float, int]:
-    builds, serials, size = [], [], 0
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fig = build()
-        t1 = time.perf_counter()
-        if isinstance(fig, go.Figure):
-            size = len(pio.to_json(fig.to_dict(), validate=False))
-        t2 = time.perf_counter()
-        builds.append(t1 - t0)
-        serials.append(t2 - t1)
-    return statistics.median(builds), statistics.median(serials), size
+from app.state import EventStore  # noqa: E402
 
 
 def busy_trace(num_steps: int, requests: int) -> list[dict]:
@@ -154,14 +105,14 @@ def browser_updates(payloads: list[dict]) -> dict:
     import plotly
     from playwright.sync_api import sync_playwright
 
-    from app.live.component import STATIC, style
+    from app.live.component import SCRIPTS, STATIC, style
     from tests.app.browser_floor import FLOOR_JS
 
     plotly_js = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    scripts = "".join(f"<script src='{(STATIC / name).as_uri()}'></script>" for name in SCRIPTS)
     html = (
         "<html><head><meta charset='utf-8'></head><body><div id='root' style='width:1400px'>"
-        f"</div><script src='{plotly_js.as_uri()}'></script>"
-        f"<script src='{(STATIC / 'live.js').as_uri()}'></script></body></html>"
+        f"</div><script src='{plotly_js.as_uri()}'></script>{scripts}</body></html>"
     )
     with tempfile.NamedTemporaryFile("w", suffix=".html", delete=False) as f:
         f.write(html)
@@ -200,36 +151,11 @@ def live_main(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", type=Path, help="JSON-lines trace (engine.server --trace)")
-    parser.add_argument("--steps", type=int, default=5_000, help="synthetic trace length")
     parser.add_argument("--windows", type=int, nargs="+", default=[500, 5_000])
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--live", action="store_true", help="per-update cost of the live charts")
-    parser.add_argument("--requests", type=int, default=64, help="--live: requests in flight")
-    parser.add_argument("--batch", type=int, default=5, help="--live: new steps per update")
-    parser.add_argument("--browser", action="store_true", help="--live: replay in chromium")
-    args = parser.parse_args()
-    if args.live:
-        return live_main(args)
-
-    snap = load(args.trace, args.steps)
-    print(f"trace: {len(snap.steps):,} steps, {len(snap.requests):,} requests")
-    header = f"{'figure':<22} {'steps':>6} {'build ms':>9} {'serialize ms':>13} {'total ms':>9} {'JSON KB':>8}"
-    print(header)
-    print("-" * len(header))
-    for window in args.windows:
-        steps = snap.steps[-window:]
-        page = 0.0
-        for name, build in builders(snap).items():
-            b, s, size = measure(lambda build=build, steps=steps: build(steps), args.repeat)
-            page += b + s if "time x" not in name else 0.0  # the page draws one timeline
-            print(
-                f"{name:<22} {len(steps):>6} {b * 1e3:>9.1f} {s * 1e3:>13.1f} "
-                f"{(b + s) * 1e3:>9.1f} {size / 1024:>8.0f}"
-            )
-        print(f"{'whole page (all tabs)':<22} {len(steps):>6} {'':>9} {'':>13} {page * 1e3:>9.1f}")
-        print()
-    return 0
+    parser.add_argument("--requests", type=int, default=64, help="requests in flight")
+    parser.add_argument("--batch", type=int, default=5, help="new steps per update")
+    parser.add_argument("--browser", action="store_true", help="replay the updates in chromium")
+    return live_main(parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def run_policy(
     ttfts: list[float] = []
     itls: list[float] = []
     for t0, times in results:
-        m = request_metrics(t0, None, times)
+        m = request_metrics(t0, None, times, None)  # a client sees tokens, not steps
         if m["time_to_first_token_seconds"] is not None:
             ttfts.append(m["time_to_first_token_seconds"])
         itls.extend(m["inter_token_latency_seconds"])

@@ -11,7 +11,7 @@ flight). Every command carries an id, so replies are matched to what was sent.
 
 Checkpoints, after the first `--baseline` requests and at the end, each taken with the traffic
 drained: the server's resident memory (VmRSS from /proc), the size of the `hello` a new client
-gets (what the server's recorder keeps), and the step time of a fixed probe (the same shape of
+gets (what the server's history keeps), and the step time of a fixed probe (the same shape of
 work both times: 7 rounds of 24 fresh prompts of 64 tokens, 32 greedy tokens each, budget 256,
 mixed; the engine's own t1 - t0 per step, the median of each round, the best round compared).
 At the end, `stats`: integrity, no page held by a request, nothing reserved. Targets: RSS and step time within 10% of the baseline.
@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_server import random_submit  # noqa: E402  (the same random mix as its soak)
+
+from instrumentation.protocol import ENDED_STATES, POLICY_NAMES  # noqa: E402  (torch-free)
 
 
 def model_path(name: str, tmp: Path) -> str:
@@ -96,7 +98,7 @@ class Traffic:
                 self.live.add(m["uid"])  # its events may come before the reply
             if kind == "error" and m["code"] == "capacity":
                 self.backoff = True
-        elif kind == "request" and m["event"] in ("finished", "aborted", "rejected"):
+        elif kind == "request" and m["event"] in ENDED_STATES:
             self.live.discard(m["uid"])
             self.probe.discard(m["uid"])
             self.ended.add(m["uid"])
@@ -145,7 +147,7 @@ class Session:
             await self.ws.send(json.dumps(t.submit()))
             if rng.random() < 0.05:
                 budget = rng.choice([1, 2, 4, 16, 64, 256, 512, rng.randrange(1, 1024)])
-                policy = rng.choice(["prefill_first", "mixed"])
+                policy = rng.choice(POLICY_NAMES)
                 await self.ws.send(json.dumps({"type": "set_config", "id": t.cid("c", False),
                                                "max_extend_tokens": budget, "policy": policy}))  # fmt: skip
             if rng.random() < 0.12:

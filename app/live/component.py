@@ -1,9 +1,11 @@
-"""The live charts and the KV page map as one `st.components.v2` component, drawn in place.
+"""Every chart of the page as one `st.components.v2` component, drawn in the browser: the live
+charts (live and replay), a recording drawn whole (compare), the sweep's trade-off plot and the
+KV page map.
 
 Streamlit re-sends a v2 component's inline JavaScript with every update, so the inline part is a
 tiny loader (static/loader.js); plotly.js (from the installed `plotly` package, the browser has
-no internet) and the charts' code (static/live.js) are served once as static files, through two
-v1 component paths that exist only for that.
+no internet) and the charts' code (static/*.js, one file per chart, see SCRIPTS) are served once
+as static files, through two v1 component paths that exist only for that.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import streamlit as st
 import streamlit.components.v1 as v1
 import streamlit.components.v2 as v2
 
-from app import figures
-from app.live.feed import LiveFeed, ViewOptions
+from app.live import style as colors
+from app.live.feed import LiveFeed, Recorded, ViewOptions
 
 STATIC = Path(__file__).resolve().parent / "static"
 PLOTLY_DIR = Path(plotly.__file__).resolve().parent / "package_data"
@@ -38,14 +40,20 @@ _component = v2.component(
     "stepscope.live", js=_minified((STATIC / "loader.js").read_text()), isolate_styles=False
 )
 
-# The browser asks for the next batch at most this often (5 a second), and waits a little longer
-# when the last answer had nothing new. The charts' fragment also reruns on its own every
-# LIVE_EVERY_S, a fallback for a pull Streamlit answered late or not at all: an answer to a pull
-# starts exactly where the browser is, while a timer's payload must repeat recent batches
-# (OVERLAP), so the timer is slow (at 0.25 s it sent 3x the bytes and took script-thread turns
-# from the pulls).
-PULL_MS = 200
-IDLE_MS = 300
+# The charts' files, in load order: data.js first (the others read it), view.js last.
+SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "pagemap.js", "sweep.js", "view.js")
+# The browser asks for the next batch at most this often (10 a second). A pull that finds nothing
+# new is held on the server until the engine's next step lands (at most HOLD_S), so a step is
+# drawn as soon as it arrives rather than at the next poll: with polling, a page whose pulls
+# are out of phase with the engine's steps drew 1.9 updates/s against 3.4 steps/s. The browser
+# waits IDLE_MS before asking again after an answer with nothing new. The charts' fragment also
+# reruns on its own every LIVE_EVERY_S, a fallback for a pull Streamlit answered late or not at
+# all: an answer to a pull starts exactly where the browser is, while a timer's payload must
+# repeat recent batches (OVERLAP), so the timer is slow (at 0.25 s it sent 3x the bytes and took
+# script-thread turns from the pulls).
+PULL_MS = 100
+IDLE_MS = 0
+HOLD_S = 0.5
 LIVE_EVERY_S = 1.0
 OVERLAP = 3  # batches each payload covers
 # Level of detail: per-request segments while each step in view is at least this many pixels
@@ -55,25 +63,29 @@ MAX_SEGMENTS = 4000
 MAX_LANES = 40
 
 
-def _assets_urls() -> dict[str, str]:
-    version = int((STATIC / "live.js").stat().st_mtime)  # a changed file is fetched again
+def _assets_urls() -> dict[str, Any]:
+    def url(name: str) -> str:
+        version = int((STATIC / name).stat().st_mtime)  # a changed file is fetched again
+        return f"component/{_assets.name}/{name}?v={version}"
+
     return {
         "plotly": f"component/{_plotlyjs.name}/plotly.min.js",
-        "live": f"component/{_assets.name}/live.js?v={version}",
+        "scripts": [url(name) for name in SCRIPTS],
     }
 
 
 def style() -> dict[str, Any]:
-    """Colours and limits, defined once in Python (app.figures) and used by the browser."""
+    """Colours and limits, defined once in Python (app.live.style) and used by the browser."""
     return {
-        "palette": list(figures.PALETTE),
-        "phases": list(figures.PHASE_COLORS),
-        "phase_colors": figures.PHASE_COLORS,
-        "stall": figures.STALL_RED,
-        "wait": figures.WAIT_GREY,
-        "wasted": figures.WASTED_GREY,
-        "kv": figures.KV_COLORS,
-        "x_titles": figures.X_TITLES,
+        "palette": list(colors.PALETTE),
+        "phases": list(colors.PHASE_COLORS),
+        "phase_colors": colors.PHASE_COLORS,
+        "stall": colors.STALL_RED,
+        "wait": colors.WAIT_GREY,
+        "wasted": colors.WASTED_GREY,
+        "kv": colors.KV_COLORS,
+        "policy_colors": colors.POLICY_COLORS,
+        "x_titles": colors.X_TITLES,
         "lod": {"px_per_step": PX_PER_STEP, "max_segments": MAX_SEGMENTS},
         "max_lanes": MAX_LANES,
         "pull_ms": PULL_MS,
@@ -112,6 +124,8 @@ def live_charts(
     last_n, sent = seen.get(key, (None, []))
     if pulled.get("n") != last_n:
         have = pulled.get("have")
+        if not opts.paused:
+            feed.hold(store, have, HOLD_S)  # until there is something new to answer with
     else:
         have = sent[-OVERLAP] if len(sent) >= OVERLAP else (sent[0] if sent else None)
     data = feed.payload(store, have, opts)
@@ -123,17 +137,50 @@ def live_charts(
     data["answer"] = pulled.get("n")  # which pull this answers
     if hidden:
         data["hidden"] = True
-    sent: dict[str, Any] = st.session_state.setdefault("live_sent_policy", {})
-    policy = (data.pop("config", None) or {}).get("policy", sent.get(key))
+    policies: dict[str, Any] = st.session_state.setdefault("live_sent_policy", {})
+    policy = (data.pop("config", None) or {}).get("policy", policies.get(key))
     fresh = data.get("reset") or pulled.get("have") is None  # the browser may have nothing
     if fresh:
         data["assets"] = _assets_urls()
-    if fresh or sent.get(key) != policy:
-        sent[key] = policy
+    if fresh or policies.get(key) != policy:
+        policies[key] = policy
         data["style"] = style()
         data["captions"] = {k: _html(v) for k, v in captions(policy).items()}
     _component(key=key, data=data, on_pull_change=_pulled, height="content")
     return feed
+
+
+def recording_charts(
+    key: str,
+    record: Recorded,
+    title: str,
+    axes: dict[str, Any],
+    link: str,
+    xmode: str,
+    captions: dict[str, str],
+) -> None:
+    """A recording drawn whole by the same charts (compare): one batch, no pulls. `axes` (per
+    x mode: `x` range and `y_top`) fix the scale; views of one `link` group zoom together."""
+    memo: dict[str, tuple[tuple, dict]] = st.session_state.setdefault("recording_batches", {})
+    ident = (title, len(record.steps), xmode)
+    if key not in memo or memo[key][0] != ident:  # encoded once per recording and x mode
+        batch = record.batch(xmode)
+        batch.pop("config", None)
+        memo[key] = (ident, batch)
+    data = {**memo[key][1], "id": "|".join(map(str, ident)), "static": True, "axes": axes}
+    data.update(title=title, link=link, assets=_assets_urls(), style=style())
+    data["captions"] = {k: _html(v) for k, v in captions.items()}
+    _component(key=key, data=data, height="content")
+
+
+def sweep_plot(
+    key: str, rows: list[dict[str, Any]], title: str, caption: str, on_select: Callable[[], None]
+) -> None:
+    """The sweep's trade-off plot; a clicked point's run file comes back as the component's
+    `selected` state (`{"run": name, "n": clicks}`), and `on_select` runs."""
+    data = {"mode": "sweep", "rows": rows, "title": title, "caption": _html(caption)}
+    data.update(assets=_assets_urls(), style=style())
+    _component(key=key, data=data, on_selected_change=on_select, height="content")
 
 
 def kv_page_map(key: str, page_map: dict[str, Any] | None, message: str = "") -> None:

@@ -3,7 +3,8 @@
 `StepEncoder.encode(steps, ended)` turns the steps after the browser's cursor into one batch of
 columns the browser appends (app/live/static/live.js draws them). Everything a chart shows is
 decided here, from the messages alone: each item's place in the step's stack, per-step totals
-for the zoomed-out level of detail, and which decoding requests a step left out (stalls).
+for the zoomed-out level of detail, and which decoding requests a step left out (stalls, by the
+protocol's rule: `instrumentation.metrics.stalled_between`, the one definition every view uses).
 The encoder carries only what spans batches (each decoding request's last token), so its work
 is proportional to the new steps, never to what is in view. It is pure: tested without a
 browser (tests/app/test_app_live.py).
@@ -20,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from instrumentation.metrics import stalled_between
 
 Message = dict[str, Any]
 
@@ -40,11 +43,10 @@ def _r(t: float) -> float:
 
 @dataclass
 class _Open:
-    """A decoding request's last token, and the stall it is in (if any)."""
+    """A decoding request's last token."""
 
     step: int  # step number of its last token
     t1: float
-    skipped_from: int | None = None  # first step number it was left out of since
 
 
 @dataclass
@@ -63,7 +65,7 @@ class StepEncoder:
     def copy(self) -> StepEncoder:
         # by hand: deepcopy costs more than encoding a batch
         return StepEncoder(
-            {u: _Open(o.step, o.t1, o.skipped_from) for u, o in self.decoding.items()},
+            {u: _Open(o.step, o.t1) for u, o in self.decoding.items()},
             dict(self.ended_at),
             self.last_step,
             self.last_t1,
@@ -112,10 +114,12 @@ class StepEncoder:
             self.decoding.pop(uid, None)
         # what is left ended after the last step (its stall is not over) or never decoded
         self.ended_at = {u: t for u, t in self.ended_at.items() if u in self.decoding}
+        # still waiting for a token: a stall if one came right after the last step
+        after = None if self.last_step is None else self.last_step + 1
         ongoing = [
-            [uid, o.skipped_from, self.last_step, _r(self.last_t1 - o.t1)]
+            [uid, o.step + 1, self.last_step, _r(self.last_t1 - o.t1)]
             for uid, o in self.decoding.items()
-            if o.skipped_from is not None
+            if after is not None and stalled_between(o.step, after)
         ]
         return {
             "steps": cols,
@@ -218,16 +222,15 @@ class StepEncoder:
                 # launched just before the end was read): its trailing gap is no stall.
                 gone.append(uid)
                 continue
-            stalled += 1
-            if o.skipped_from is None:
-                o.skipped_from = number
+            # this step ran without it: its next token ends a stall (it is in one now)
+            stalled += stalled_between(o.step, number + 1)
         for uid in gone:
             del self.decoding[uid]
         for uid in sampled:
             o = self.decoding.get(uid)
-            if o is not None and o.skipped_from is not None:
-                # the stall ends with this token: steps [skipped_from, number - 1] went without
-                stalls.append([uid, o.skipped_from, number - 1, _r(t1 - o.t1)])
+            if o is not None and stalled_between(o.step, number):
+                # the stall ends with this token: steps [o.step + 1, number - 1] went without
+                stalls.append([uid, o.step + 1, number - 1, _r(t1 - o.t1)])
             self.decoding[uid] = _Open(number, t1)
         self.last_step, self.last_t1 = number, t1
         for key, value in (

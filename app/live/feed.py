@@ -32,6 +32,40 @@ class Delta(Protocol):
 class DeltaSource(Protocol):
     def delta(self, cursor: int | None, metrics: bool = True) -> Delta: ...
 
+    def wait_for_step(self, after: int, timeout: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Whole:
+    cursor: int
+    reset: bool
+    steps: list[dict]
+    requests: list[dict]
+    engine: dict | None
+    config: dict | None
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A record drawn whole (a compared recording): every step and request at once, read as a
+    store's delta, so it is encoded exactly as the live charts' batches are."""
+
+    steps: list[dict]
+    requests: list[dict]
+    engine: dict | None = None
+    config: dict | None = None
+
+    def delta(self, cursor: int | None, metrics: bool = True) -> Delta:
+        return _Whole(0, True, self.steps, self.requests, self.engine, self.config)
+
+    def wait_for_step(self, after: int, timeout: float) -> bool:
+        return False  # nothing more will come
+
+    def batch(self, xmode: str) -> dict[str, Any]:
+        """The one batch that draws it all (a reset)."""
+        opts = ViewOptions(window=max(len(self.steps), 1), xmode=xmode, paused=True)
+        return LiveFeed().payload(self, None, opts)
+
 
 @dataclass(frozen=True)
 class ViewOptions:
@@ -45,6 +79,14 @@ class LiveFeed:
         self._ring: OrderedDict[int, tuple[int, StepEncoder, int]] = OrderedDict()
         self._next_id = 1
         self.updates = 0  # payloads with new data (for the status line and tests)
+
+    def hold(self, store: DeltaSource, have: int | None, timeout: float) -> None:
+        """Wait (at most `timeout` s) until the store has a step the browser's batch `have`
+        does not: a pull then answers as soon as the engine's next step lands. No wait when
+        `have` is unknown (the answer is a reset) or there is news already."""
+        entry = self._ring.get(have) if have is not None else None
+        if entry is not None:
+            store.wait_for_step(entry[0], timeout)
 
     def payload(self, store: DeltaSource, have: int | None, opts: ViewOptions) -> dict[str, Any]:
         """The data for the component: a batch after `have`, a reset, or nothing new."""

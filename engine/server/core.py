@@ -24,8 +24,8 @@ from engine.server.args import ServerArgs, build_parser, parse_args
 from engine.server.loop import GIL_SWITCH_INTERVAL_S, CommandHandler, EngineLoop
 from instrumentation import messages
 from instrumentation.errors import EngineError
+from instrumentation.fold import Fold
 from instrumentation.publisher import Publisher, PublisherConfig
-from instrumentation.recorder import Recorder
 from instrumentation.trace import TraceWriter
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Server:
     llm: Any
     publisher: Publisher
     loop: EngineLoop
-    recorder: Recorder
+    history: Fold  # what a late client's `hello` carries
     trace: TraceWriter | None
     http: HttpApi | None = None  # the OpenAI-compatible API; None with --http-port none
 
@@ -96,25 +96,27 @@ class Server:
 
 
 def build(llm: Any, args: Args) -> Server:
-    """Recorder, trace, publisher, engine loop and command handler around `llm` (not attached)."""
+    """History, trace, publisher, engine loop and command handler around `llm` (not attached)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # the model, tokenizer and imports are hundreds of thousands of objects that live for good:
     # out of the collector's sight, a full collection walks only what serving creates
     gc.freeze()
     max_frame = 2**20
-    recorder = Recorder(max_steps=args.history_steps, config=llm.config_dict())
+    # the shared fold with the server's bounds: the last --history-steps steps, every request in
+    # flight, ended requests up to a count and a byte budget
+    history = Fold(max_steps=args.history_steps, config=llm.config_dict())
     # `instance` tells a reconnecting client whether it meets the engine it knew (v1.1)
     engine_facts = {**llm.info.to_dict(), "max_frame_bytes": max_frame,
                     "max_waiting": args.max_waiting,
                     "instance": uuid.uuid4().hex[:12]}  # fmt: skip
 
     def hello() -> dict[str, Any]:
-        # server thread: the recorder has folded every broadcast up to `recorder.seq`
+        # server thread: the fold has folded every broadcast up to `history.seq`
         return messages.hello(
-            llm.now(), engine_facts, dict(recorder.config), recorder.history(), recorder.seq
+            llm.now(), engine_facts, dict(history.config), history.history(), history.seq
         )
 
-    sinks: list[Callable[[dict[str, Any], str], None]] = [lambda msg, _text: recorder.record(msg)]
+    sinks: list[Callable[[dict[str, Any], str], None]] = [lambda msg, _text: history.apply(msg)]
     trace = TraceWriter(args.trace) if args.trace else None
     if trace is not None:
         trace.write(json.dumps(hello()))  # the header: engine facts and the starting config
@@ -132,21 +134,28 @@ def build(llm: Any, args: Args) -> Server:
     publisher.on_frame = CommandHandler(llm, engine_loop, publisher, args.max_waiting).on_frame
     if http is not None:
         http.wake, http.call = engine_loop.wake.set, engine_loop.call
-    return Server(llm, publisher, engine_loop, recorder, trace, http)
+    return Server(llm, publisher, engine_loop, history, trace, http)
 
 
 def _http_api(llm: Any, args: Args) -> HttpApi | None:
     if getattr(args, "http_port", None) is None:
         return None
-    from engine.server.openai_api import build_http_api  # Starlette, only when it is on
+    from engine.server.openai_api import build_http_api  # prometheus-client, only when on
 
     return build_http_api(
         llm, host=args.host, port=args.http_port, token=args.token,
         allowed_origins=tuple(args.allow_origin or ()), max_waiting=args.max_waiting,
-        model_arg=str(args.model), metrics_token=getattr(args, "metrics_token", None),
+        model_arg=str(args.model), app=_web_app,
+        metrics_token=getattr(args, "metrics_token", None),
         generation_config=getattr(args, "generation_config", "auto"),
         metrics_compat=getattr(args, "metrics_compat", None),
     )  # fmt: skip
+
+
+def _web_app(api: HttpApi) -> Any:
+    from engine.server.openai_app import build_app  # Starlette, only when the API serves
+
+    return build_app(api)
 
 
 def serve(llm: Any, args: Args) -> int:

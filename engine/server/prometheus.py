@@ -9,11 +9,11 @@ finer ones below 10 ms for GPU decode steps), so a query for a vLLM bucket still
 Under `--metrics-compat vllm` the same figures are also served under vLLM's own names, labels and
 bucket boundaries (engine/server/prometheus_vllm.py), for vLLM's Grafana dashboards unchanged.
 
-Per-request figures use the definitions of instrumentation/metrics.py: TTFT is first token minus queued,
-ITL the gaps between one request's consecutive tokens, and a decode stall (stepscope's own
-`decode_stall_seconds`) is such a gap during which at least one step ran without the request.
-A request's prefill, decode and inference times are read from its end event, which carries
-instrumentation.metrics' figures.
+Per-request figures are instrumentation.metrics' (docs/protocol.md, "Metrics"): TTFT is first
+token minus queued, ITL the gaps between one request's consecutive tokens, TPOT and e2e latency
+`request_metrics`', and a decode stall (stepscope's own `decode_stall_seconds`, with its exact
+maximum `decode_stall_max_seconds`) is such a gap during which at least one step ran without the
+request (`stalled_between`: a token's step is the `step` message its `token` follows).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 import threading
 from bisect import bisect_left
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -36,6 +36,9 @@ from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from engine.server.prometheus_vllm import HttpStats
+
+from instrumentation.metrics import request_metrics, stalled_between
+from instrumentation.protocol import ENDED_STATES
 
 PREFIX = "stepscope:"
 Message = dict[str, Any]
@@ -58,17 +61,17 @@ COMPAT = ("vllm",)
 
 @dataclass(slots=True)
 class _Live:
-    """What the fold keeps of one request until it ends."""
+    """What the fold keeps of one request until it ends: its times, and its tokens' times and
+    step numbers (for instrumentation.metrics)."""
 
     t_queued: float
     prompt_len: int
     max_tokens: int = 0
     cached_len: int = 0
     state: str = "waiting"  # or "running"
-    t_first: float | None = None
-    t_last: float | None = None
-    tokens: int = 0
-    step_at_last: int = 0  # the step counter when its last token came
+    t_admitted: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)
 
 
 class _Counter:
@@ -118,7 +121,7 @@ class EngineMetrics:
         self.compat = compat
         self.max_model_len = max_model_len
         self._live: dict[int, _Live] = {}
-        self._steps = 0
+        self._step_no = -1  # the number of the last step message: the step of the tokens after it
         self._running = 0  # of `_live`, those admitted
         self._stopped: set[int] = set()  # uids the API ended on a stop string
         self._lock = threading.Lock()  # `mark_stop` comes from the HTTP thread
@@ -187,6 +190,9 @@ class EngineMetrics:
             "Token gaps during which at least one engine step ran without the request.",
             ITL_BUCKETS,
         )
+        self.stall_max = g(
+            "decode_stall_max_seconds", "The longest decode stall of any request so far."
+        )
         self.http: HttpStats | None = None  # set by the HTTP API under the vLLM switch
         if compat == "vllm":
             from engine.server.prometheus_vllm import check_bounds
@@ -198,7 +204,7 @@ class EngineMetrics:
     def collect(self) -> Iterator[Metric]:
         """The metric families, for the registry (any thread)."""
         lab = [self._model]
-        for g in (self.running, self.waiting, self.kv_usage):
+        for g in (self.running, self.waiting, self.kv_usage, self.stall_max):
             fam = GaugeMetricFamily(PREFIX + g.name, g.doc, labels=["model_name"])
             fam.add_metric(lab, g.value)
             yield fam
@@ -260,7 +266,7 @@ class EngineMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def _step(self, msg: Message) -> None:
-        self._steps += 1
+        self._step_no = int(msg["step"])
         self.iteration_tokens.observe(sum(i["end"] - i["start"] for i in msg["items"]))
         self.step_seconds.observe(msg["t1"] - msg["t0"])
         kv = msg["kv"]
@@ -272,17 +278,16 @@ class EngineMetrics:
         if r is None:
             return
         t = msg["t"]
-        if r.t_last is not None:
-            gap = t - r.t_last
+        if r.token_times:
+            gap = t - r.token_times[-1]
             self.itl.observe(gap)
-            if self._steps - r.step_at_last > 1:  # a step between the two went without it
+            if stalled_between(r.token_steps[-1], self._step_no):
                 self.stall.observe(gap)
+                self.stall_max.set(max(self.stall_max.value, gap))
         else:
-            r.t_first = t
             self.ttft.observe(t - r.t_queued)
-        r.t_last = t
-        r.tokens += 1
-        r.step_at_last = self._steps
+        r.token_times.append(t)
+        r.token_steps.append(self._step_no)
 
     def _request(self, msg: Message) -> None:
         uid, event, t = msg["uid"], msg["event"], msg["t"]
@@ -295,6 +300,7 @@ class EngineMetrics:
             return
         if event == "admitted":
             r.state = "running"
+            r.t_admitted = t
             self._running += 1
             self.queue_time.observe(t - r.t_queued)
             self.prefix_queries.inc(r.prompt_len)
@@ -304,7 +310,7 @@ class EngineMetrics:
         elif event == "first_token":
             self.prompt_tokens.inc(r.prompt_len)
             self.prompt_cached.inc(r.cached_len)
-        elif event in ("finished", "aborted", "rejected"):
+        elif event in ENDED_STATES:
             del self._live[uid]
             self._running -= r.state == "running"
             with self._lock:
@@ -312,31 +318,32 @@ class EngineMetrics:
                 self._stopped.discard(uid)
             if event == "finished" or stopped:
                 reason = "length" if msg.get("finish_reason") == "length" else "stop"
-                self._ended(r, reason, msg)
+                self._ended(r, reason)
             elif event == "aborted":
                 self.success["abort"].inc()
             else:  # rejected: the engine could not run it
                 self.success["error"].inc()
             self._gauges()
 
-    def _ended(self, r: _Live, reason: str, msg: Message) -> None:
+    def _ended(self, r: _Live, reason: str) -> None:
         self.success[reason].inc()
-        # the end event's figures (instrumentation.metrics), as vLLM records them at the end
+        m = request_metrics(r.t_queued, r.t_admitted, r.token_times, r.token_steps)
+        if m["e2e_request_latency_seconds"] is not None:
+            self.e2e.observe(m["e2e_request_latency_seconds"])
+        if m["time_per_output_token_seconds"] is not None:
+            self.tpot.observe(m["time_per_output_token_seconds"])
+        # vLLM's per-request phases and lengths, recorded when a request ends as vLLM does
         for hist, key in ((self.prefill_time, "prefill_time_seconds"),
                           (self.decode_time, "decode_time_seconds"),
                           (self.inference_time, "inference_time_seconds")):  # fmt: skip
-            if (value := msg.get(key)) is not None:
-                hist.observe(value)
-        output = int(msg.get("output_len", r.tokens))
+            if m[key] is not None:
+                hist.observe(m[key])
+        output = len(r.token_times)
         self.request_prompt_tokens.observe(r.prompt_len)
         self.request_generation_tokens.observe(output)
         self.request_max_generation_tokens.observe(output)
         if r.max_tokens:
             self.request_max_tokens.observe(r.max_tokens)
-        if r.t_last is not None:
-            self.e2e.observe(r.t_last - r.t_queued)
-        if r.t_first is not None and r.t_last is not None and r.tokens > 1:
-            self.tpot.observe((r.t_last - r.t_first) / (r.tokens - 1))
 
     def _gauges(self) -> None:
         self.running.set(self._running)

@@ -20,7 +20,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -28,8 +28,22 @@ from starlette.routing import Route
 
 from engine.server.openai_schema import ApiError, bad
 
-if TYPE_CHECKING:
-    from engine.server.openai_app import Endpoints
+
+class Endpoints(Protocol):
+    """What these routes use of the OpenAI endpoints (openai_app.Endpoints), which mount them:
+    a protocol, so this module does not import the one that imports it."""
+
+    api: Any
+    llm: Any
+
+    def parse(self, obj: Any, endpoint: Any) -> Any: ...
+
+    def event_stream(self, body: AsyncIterator[bytes], gen: Any) -> Response: ...
+
+    async def start(self, req: Any, source: str = "http") -> tuple[Any, Any]: ...
+
+    async def read_json(self, request: Request) -> Any: ...
+
 
 Message = dict[str, Any]
 READ_TIMEOUT_S = 5.0

@@ -16,7 +16,7 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 
-from app import aggregate, external, figures, ranks
+from app import aggregate, external, ranks
 from app.derive import headline
 from app.panels import _last_step_note, request_source
 from app.sidebar import engine_line
@@ -61,15 +61,7 @@ def test_figures_draw_aggregate_steps_instead_of_raising(
 ) -> None:
     _, steps = chunked
     assert steps and all(aggregate.is_aggregate(s) for s in steps)
-    for fig in (
-        figures.batch_figure(steps, []),
-        figures.timeline_figure(steps, []),
-        figures.kv_figure(steps),
-        figures.decode_progress_figure(steps, []),
-        figures.itl_figure(steps, []),
-    ):
-        validated(fig)
-    fig = figures.timeline_figure(steps, [])
+    fig = validated(aggregate.aggregate_figure(steps))
     # The bars are the logged #new-token counts; cache hits are marks beside them, not work.
     assert list(trace(fig, "prompt tokens computed").y) == [s.get("prompt_tokens") for s in steps]
     cached = trace(fig, "prompt tokens served from cache (not computed)").y
@@ -80,7 +72,7 @@ def test_figures_draw_aggregate_steps_instead_of_raising(
     assert [u is None for u in usage] == [s.get("kv", {}).get("usage") is None for s in steps]
     assert trace(fig, "waiting").y[-1] == steps[-1]["queue"]["waiting"]
     # No made-up pool fields: no used/cached/free/reserved page traces.
-    names = {t.name for t in figures.kv_figure(steps).data}
+    names = {t.name for t in fig.data}
     assert not names & {"used pages", "cached pages", "free pages"}
     assert not any(n and n.startswith("reserved") for n in names)
 
@@ -106,7 +98,7 @@ def test_decode_lines_are_drawn_as_samples_of_n_steps(tmp_path: Path) -> None:
 
 def test_vllm_iteration_steps_draw_decode_tokens(tmp_path: Path) -> None:
     _, steps = converted(tmp_path, "vllm-log", "vllm_2025-12_iteration_details.log")
-    fig = validated(figures.timeline_figure(steps, []))
+    fig = validated(aggregate.aggregate_figure(steps))
     assert list(trace(fig, "decode").y) == [s["decode_tokens"] for s in steps]
     assert headline(steps, []).running == 0  # nothing invented for requests the log does not name
 

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.derive import stalled_per_step, stalls, tracks
 from app.live.encode import KINDS, PHASES, StepEncoder, ended_times, expand_columns, unpack
 from app.live.feed import LiveFeed, ViewOptions
 from app.state import EventStore
+from instrumentation.fold import stalls
 from tests.app.app_peer import synthetic_trace
 
 
@@ -77,12 +77,12 @@ def test_packed_items_unpack_to_the_same_columns_batch_by_batch(seed: int) -> No
         assert unpack(out["packed"], ref) == out["items"]
 
 
-LIVE_JS = Path(__file__).resolve().parents[2] / "app" / "live" / "static" / "live.js"
+DATA_JS = Path(__file__).resolve().parents[2] / "app" / "live" / "static" / "data.js"
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 def test_the_browser_unpacks_batches_as_the_format_defines() -> None:
-    """live.js's unpackItems (run in Node) against encode.unpack, batch by batch, with the
+    """data.js's unpackItems (run in Node) against encode.unpack, batch by batch, with the
     decode stack carried from one batch to the next as the browser carries it."""
     messages = synthetic_trace(300, seed_every=40)
     steps = [m for m in messages if m["type"] == "step"]
@@ -96,12 +96,12 @@ def test_the_browser_unpacks_batches_as_the_format_defines() -> None:
         "globalThis.window = globalThis; require(process.argv[1]);"
         "const batches = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
         "let ref = new Map();"
-        "const out = batches.map((pk) => { const u = window.stepscopeLive.unpackItems(pk, ref);"
+        "const out = batches.map((pk) => { const u = window.stepscope.unpackItems(pk, ref);"
         " ref = u.ref; return u.cols; });"
         "console.log(JSON.stringify(out));"
     )
     done = subprocess.run(
-        ["node", "-e", script, str(LIVE_JS)],
+        ["node", "-e", script, str(DATA_JS)],
         input=json.dumps([b["packed"] for _, b in batches]),
         capture_output=True,
         text=True,
@@ -122,11 +122,11 @@ def test_constant_columns_travel_as_one_value() -> None:
     script = (
         "globalThis.window = globalThis; require(process.argv[1]);"
         "const c = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
-        "console.log(JSON.stringify(window.stepscopeLive.expandColumns(c)));"
+        "console.log(JSON.stringify(window.stepscope.expandColumns(c)));"
     )
     if shutil.which("node"):
         done = subprocess.run(
-            ["node", "-e", script, str(LIVE_JS)],
+            ["node", "-e", script, str(DATA_JS)],
             input=json.dumps({k: v for k, v in small.items() if k != "no"}),
             capture_output=True,
             text=True,
@@ -195,7 +195,9 @@ def test_stalls_found_batch_by_batch_are_the_ones_found_over_the_whole_record(se
         closed += out["stalls"]
         stalled += out["steps"]["stalled"]
         ongoing = out["ongoing"]
-    expected = stalls(steps, tracks(steps), requests)
+    # the shared fold's stalls (instrumentation.fold), over the whole record at once
+    running = [u for u, r in requests.items() if r["state"] == "running"]
+    expected = stalls(steps, running)
     numbers = [s["step"] for s in steps]
     done = sorted(
         (s.uid, numbers[s.first], numbers[s.last], round(s.seconds, 4))
@@ -204,7 +206,11 @@ def test_stalls_found_batch_by_batch_are_the_ones_found_over_the_whole_record(se
     )
     assert sorted((u, a, b, round(t, 4)) for u, a, b, t in closed) == done
     assert len(done) > 10  # the trace does stall (prefill-first phases)
-    assert stalled == stalled_per_step(len(steps), expected).tolist()
+    per_step = [0] * len(steps)
+    for x in expected:
+        for i in range(x.first, x.last + 1):
+            per_step[i] += 1
+    assert stalled == per_step
     still = sorted((s.uid, numbers[s.first]) for s in expected if s.ongoing)
     assert sorted((u, a) for u, a, *_ in ongoing) == still
 

@@ -307,8 +307,8 @@ def test_the_app_never_imports_torch_or_the_engine() -> None:
     # instrumentation.metrics (pure functions: the metric definitions the engine's `finished` event and
     # the shared fold both use) is the one engine module the app may reach, through the fold
     code = (
-        "import sys; import app.client, app.controls, app.derive, app.export, app.figures, "
-        "app.launcher, app.panels, app.session, app.state, app.workloads; "
+        "import sys; import app.client, app.controls, app.derive, app.export, app.compare, "
+        "app.launcher, app.panels, app.session, app.state, app.sweep_view, app.workloads; "
         "ok = {'engine', 'instrumentation.metrics'}; "
         "bad = [m for m in sys.modules if m not in ok and "
         "(m == 'torch' or m.startswith(('torch.', 'engine')))]; "

@@ -255,7 +255,7 @@ def test_live_charts_get_steps_and_pausing_stops_them(app: AppTest, peer: AppPee
     assert settle(app, lambda: len(peer.steps) > 5 and len(fresh(app)["steps"]["step"]) > 5)
     data = fresh(app)
     assert data["reset"] and not data.get("paused") and not app.get("plotly_chart")
-    assert {"timeline", "kv", "progress"} <= set(data["captions"])
+    assert {"timeline", "kv", "progress", "latency"} <= set(data["captions"])
     assert data["assets"]["plotly"].endswith("plotly.min.js")
     assert data["requests"][0][:2] == [0, "running"] or data["requests"][0][0] == 0
     app.toggle(key="live").set_value(False).run()
@@ -270,7 +270,7 @@ def test_every_tab_draws(app: AppTest, peer: AppPeer) -> None:
     app.number_input(key="max_tokens").set_value(400)
     app.button(key="FormSubmitter:prompt-Submit").click().run()
     assert peer.wait_for(lambda: len(peer.steps) >= 6)
-    for tab in ("Output text", "KV page map", "Latency", "Requests"):
+    for tab in ("Output text", "KV page map", "Requests"):
         app.session_state["detail_tab"] = tab
         app.run()
         assert not app.exception, tab
@@ -285,8 +285,7 @@ def test_every_tab_draws(app: AppTest, peer: AppPeer) -> None:
             assert data["mode"] == "kvmap" and data["map"]["num_pages"] == 4096
             assert any(run[2] == 0 and run[1] == 2 for run in data["map"]["runs"])
             assert peer.received("kv_map")  # asked for only while this tab is open
-        if tab == "Latency":
-            assert len(app.get("plotly_chart")) == 2
+        assert not app.get("plotly_chart")  # every chart is the component, drawn in the browser
     table = app.dataframe[0].value
     assert list(table["uid"]) == [0]
     assert {"state", "prompt", "cached", "TTFT (s)", "worst stall (s)", "text"} <= set(table)
@@ -316,17 +315,17 @@ def test_clear_history_empties_the_charts(app: AppTest, peer: AppPeer) -> None:
     assert data["reset"] and data["steps"]["step"] == []
 
 
-def test_classic_charts_stay_selectable(peer: AppPeer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_there_are_no_classic_charts(peer: AppPeer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`?charts=classic` and STEPSCOPE_CHARTS are gone: the page draws the one chart component
+    whatever they say, and no plotly figure built in Python."""
     monkeypatch.setenv("STEPSCOPE_CHARTS", "classic")
     at = _app(monkeypatch, peer.url)
+    at.query_params["charts"] = "classic"
     assert settle(at, lambda: connected(at))
     at.button(key="preset-chapter").click().run()
     assert peer.wait_for(lambda: len(peer.steps) >= 6)
-    for tab, count in (("Timeline", 1), ("KV cache", 1), ("Latency", 2)):
-        at.session_state["tab"] = tab
-        at.run()
-        assert len(at.get("plotly_chart")) == count, tab
-    assert not [e for e in at.get("bidi_component") if e.proto.component_name == "stepscope.live"]
+    assert settle(at, lambda: len(fresh(at)["steps"]["step"]) >= 6)
+    assert not at.get("plotly_chart")
 
 
 # ---- connection -------------------------------------------------------------------------------

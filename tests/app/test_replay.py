@@ -1,7 +1,8 @@
 """Replay, compare and sweep in the page: a recording folded through the same store as live draws
-the same figures; the cursor seeks, plays and rewinds; two runs compare on aligned axes; a sweep
-folder's points name their runs. AppTest renders the page from a replay; a browser opens a
-recording through the sidebar, scrubs, and opens the second run of a comparison."""
+the same charts (the live component's batches); the cursor seeks, plays and rewinds; two runs
+compare on aligned axes; a sweep folder's points name their runs. AppTest renders the page from a
+replay; a browser opens a recording through the sidebar, scrubs, and opens the second run of a
+comparison."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from app import compare, figures, sweep_view
+from app import compare, sweep_view
+from app.live.feed import LiveFeed, ViewOptions
 from app.replay import MAX_SPEED, Recording, ReplayLink, ReplaySource
 from app.state import EventStore
 from instrumentation.fold import summarize
@@ -82,17 +84,9 @@ def sweep_row(policy: str, path: Path) -> SweepRow:
     return summary_row(policy, 16, read_jsonl(path))
 
 
-def _figures(snap: object) -> dict[str, str]:
-    s = snap  # a Snapshot
-    return {
-        "timeline": figures.timeline_figure(s.steps, s.requests, x="step").to_json(),
-        "timeline_t": figures.timeline_figure(s.steps, s.requests, x="time").to_json(),
-        "batch": figures.batch_figure(s.steps, s.requests).to_json(),
-        "lanes": figures.lanes_figure(s.steps, s.requests).to_json(),
-        "kv": figures.kv_figure(s.steps, s.page_size, "step", whole_pool=False).to_json(),
-        "progress": figures.decode_progress_figure(s.steps, s.requests).to_json(),
-        "itl": figures.itl_figure(s.steps, s.requests).to_json(),
-    }
+def _charts(store: EventStore, window: int = 500) -> dict:
+    """What the live charts would send a newly opened browser from this store (app/live)."""
+    return LiveFeed().payload(store, None, ViewOptions(window=window, xmode="step"))
 
 
 # ---- the fold: replay draws what live drew ------------------------------------------------------
@@ -105,7 +99,7 @@ def test_replay_fed_store_draws_the_same_figures_as_the_live_fed_one(runs: dict)
         live, replayed = runs[f"live_{side}"].snapshot(), source.store.snapshot()
         assert replayed.steps == live.steps and replayed.requests == live.requests
         assert replayed.engine == live.engine and replayed.config == live.config
-        assert _figures(replayed) == _figures(live)
+        assert _charts(source.store) == _charts(runs[f"live_{side}"])
 
 
 def test_seek_shows_the_recording_as_it_stood_at_that_step(runs: dict) -> None:
@@ -189,11 +183,15 @@ def test_a_page_download_replays_like_the_server_trace(runs: dict, tmp_path: Pat
 def test_compare_aligns_the_axes_and_tabulates_the_difference(runs: dict) -> None:
     a, b = compare.side(Recording.load(runs["a"])), compare.side(Recording.load(runs["b"]))
     assert a.steps[0]["t0"] == 0 and b.steps[0]["t0"] == 0 and a.steps[0]["step"] == 0
-    fa, fb = compare.timelines(a, b, x="time")
-    assert fa.layout.xaxis.range == fb.layout.xaxis.range
-    assert fa.layout.yaxis.range == fb.layout.yaxis.range
+    axes = compare.axes(a, b)  # both charts get these
     hi = max(a.steps[-1]["t1"], b.steps[-1]["t1"])
-    assert fa.layout.xaxis.range[1] == pytest.approx(hi)
+    assert axes["time"]["x"] == [0.0, pytest.approx(hi)]
+    last = max(a.steps[-1]["step"], b.steps[-1]["step"])
+    assert axes["step"]["x"] == [-0.5, last + 0.5]
+    assert axes["step"]["y_top"] >= 16  # the budget line of either
+    for side in (a, b):  # each drawn whole, in one batch
+        batch = compare.record(side).batch("time")
+        assert batch["reset"] and batch["steps"]["step"] == [s["step"] for s in side.steps]
     rows = {r["metric"]: r for r in compare.table(a, b)}
     sa = summarize(Recording.load(runs["a"]).messages)
     sb = summarize(Recording.load(runs["b"]).messages)
@@ -207,14 +205,20 @@ def test_compare_aligns_the_axes_and_tabulates_the_difference(runs: dict) -> Non
 def test_sweep_folder_points_name_their_runs(runs: dict) -> None:
     sweep = sweep_view.load(runs["dir"])
     assert set(sweep.runs) == {"prefill_first-16.jsonl", "mixed-16.jsonl"}
-    fig = sweep_view.figure(sweep)
-    names = {t.name: t.customdata[0][0] for t in fig.data}
-    assert names == {"prefill_first": "prefill_first-16.jsonl", "mixed": "mixed-16.jsonl"}
-    # what st.plotly_chart(on_select=...) reports for a click on the mixed point
-    event = {"selection": {"points": [{"curve_number": 0, "customdata": ["mixed-16.jsonl",
-                                                                        "mixed", 16]}]}}  # fmt: skip
-    assert sweep_view.selected_run(sweep, event) == runs["b"]
-    assert sweep_view.selected_run(sweep, {"selection": {"points": []}}) is None
+    points = {p["policy"]: p for p in sweep_view.points(sweep)}
+    assert {k: p["run"] for k, p in points.items()} == {
+        "prefill_first": "prefill_first-16.jsonl", "mixed": "mixed-16.jsonl"}  # fmt: skip
+    # the y metrics the plot offers are the shared fold's summary of each run
+    s = summarize(read_jsonl(runs["a"]))
+    a = points["prefill_first"]
+    assert (a["ttft_p50_s"], a["worst_stall_s"]) == (s.ttft_p50_s, s.worst_stall_s)
+    assert (a["itl_p99_s"], a["itl_p999_s"]) == (s.itl_p99_s, s.itl_p999_s)
+    # what the component reports for a click on the mixed point
+    assert (
+        sweep_view.selected_run(sweep, {"selected": {"run": "mixed-16.jsonl", "n": 1}}) == runs["b"]
+    )
+    assert sweep_view.selected_run(sweep, {"selected": {"run": "other-16.jsonl", "n": 2}}) is None
+    assert sweep_view.selected_run(sweep, None) is None
     with pytest.raises(ValueError):
         sweep_view.load(runs["dir"] / "nowhere")
 
@@ -226,54 +230,50 @@ def test_sweep_folder_points_name_their_runs(runs: dict) -> None:
 def replay_app(runs: dict, monkeypatch: pytest.MonkeyPatch) -> Iterator[AppTest]:
     monkeypatch.setenv("STEPSCOPE_URL", "ws://127.0.0.1:9")  # never contacted while replaying
     monkeypatch.setenv("STEPSCOPE_AUTOSTART", "0")
-    monkeypatch.setenv("STEPSCOPE_CHARTS", "classic")  # figures built in Python: comparable
     monkeypatch.setenv("STEPSCOPE_TRACE", str(runs["a"]))
     at = AppTest.from_file(APP, default_timeout=60)
     yield at
     st.cache_resource.clear()
 
 
-def _spec(at: AppTest, i: int = 0) -> dict:
-    return json.loads(at.get("plotly_chart")[i].proto.spec)
+def _components(at: AppTest, mode: str = "charts") -> dict[str, dict]:
+    """The chart component's payloads on the page, by key, of one mode."""
+    out = {}
+    for e in at.get("bidi_component"):
+        data = json.loads(e.proto.json)
+        if e.proto.component_name == "stepscope.live" and data.get("mode", "charts") == mode:
+            out[e.proto.id] = data
+    return out
 
 
-def _same(spec: dict, fig_json: str) -> bool:
-    want = json.loads(fig_json)
-    return spec["data"] == want["data"] and spec["layout"] == want["layout"]
+def _shown(at: AppTest) -> dict:
+    """The live charts' batch as a newly opened browser would get it."""
+    at.session_state["live_seen"] = {}
+    at.run()
+    assert not at.exception, at.exception
+    assert not at.get("plotly_chart")  # no figure built in Python
+    [data] = [d for d in _components(at).values() if not d.get("static")]
+    return data
 
 
-def test_the_page_replays_a_trace_with_the_live_figures(replay_app: AppTest, runs: dict) -> None:
+def test_the_page_replays_a_trace_through_the_live_charts(replay_app: AppTest, runs: dict) -> None:
     at = replay_app.run()
     assert not at.exception, at.exception
     assert any("replaying" in m.value for m in at.sidebar.markdown)
-    live = runs["live_a"].snapshot(last_steps=500)  # the page's default window
-    want = {
-        "Timeline": [figures.timeline_figure(live.steps, live.requests, x="step").to_json()],
-        "KV cache": [
-            figures.kv_figure(live.steps, live.page_size, "step", whole_pool=False).to_json()
-        ],  # fmt: skip
-        "Latency": [
-            figures.decode_progress_figure(live.steps, live.requests).to_json(),
-            figures.itl_figure(live.steps, live.requests).to_json(),
-        ],  # fmt: skip
-    }
-    for tab, figs in want.items():
-        at.session_state["tab"] = tab
-        at.run()
-        assert not at.exception, at.exception
-        assert len(at.get("plotly_chart")) == len(figs), tab
-        for i, fig in enumerate(figs):
-            assert _same(_spec(at, i), fig), tab
-    # the scrubber: step back to the first step and the timeline shows only that step
+    got = _shown(at)
+    want = _charts(runs["live_a"])  # the page's default window, from the store fed live
+    for key in ("steps", "packed", "requests", "engine", "reset"):
+        assert got.get(key) == want.get(key), key
+    # the scrubber: step back to the first step and the charts hold only that step
     rec = Recording.load(runs["a"])
-    at.session_state["tab"] = "Timeline"
     at.slider(key="replay_step").set_value(rec.first_step).run()
     assert not at.exception, at.exception
     first = EventStore()
     for m in rec.messages[: rec.end_of_step(rec.first_step)]:
         first.apply(m)
-    snap = first.snapshot(last_steps=500)
-    assert _same(_spec(at), figures.timeline_figure(snap.steps, snap.requests).to_json())
+    got, want = _shown(at), _charts(first)
+    assert got["steps"]["step"] == [rec.first_step]
+    assert got["packed"] == want["packed"] and got["steps"] == want["steps"]
 
 
 def test_the_page_plays_the_recording_from_its_start(replay_app: AppTest, runs: dict) -> None:
@@ -298,6 +298,12 @@ def test_the_page_compares_and_opens_the_second_run(replay_app: AppTest, runs: d
     table = at.dataframe[0].value
     assert list(table["metric"])[:4] == ["TTFT p50 (s)", "TTFT p99 (s)", "ITL p50 (s)",
                                          "ITL p99 (s)"]  # fmt: skip
+    # two static instances of the charts, each drawn whole, on one x range; zooming one zooms both
+    static = [d for d in _components(at).values() if d.get("static")]
+    assert [d["title"].split(":")[0] for d in static] == ["A", "B"]
+    assert static[0]["axes"] == static[1]["axes"] and {d["link"] for d in static} == {"compare"}
+    assert static[1]["steps"]["step"][0] == 0  # each run from its own start
+    assert not at.get("plotly_chart")
     at.button(key="compare_open_b").click().run()
     assert not at.exception, at.exception
     assert any("mixed-16.jsonl" in m.value for m in at.sidebar.markdown)
@@ -308,9 +314,10 @@ def test_the_page_opens_a_sweep_folder(replay_app: AppTest, runs: dict) -> None:
     at.text_input(key="sweep_path").set_value(str(runs["dir"])).run()
     assert not at.exception, at.exception
     assert any("Sweep" in m.value for m in at.markdown)
-    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
-    curve = next(s for s in specs if "ITL p99" in json.dumps(s["layout"]))
-    assert {t["name"] for t in curve["data"]} == {"prefill_first", "mixed"}
+    assert not at.get("plotly_chart")  # drawn by the component, not tradeoff.html's figure
+    [plot] = _components(at, "sweep").values()
+    assert {p["policy"] for p in plot["rows"]} == {"prefill_first", "mixed"}
+    assert plot["title"].startswith("Sweep") and plot["caption"]
 
 
 # ---- a real browser ----------------------------------------------------------------------------
