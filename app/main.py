@@ -25,7 +25,7 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import controls, external, panels, replay_ui, session, sidebar, workloads  # noqa: E402
+from app import controls, external, fleet_ui, panels, replay_ui, session, sidebar, workloads  # noqa: E402
 from app.client import EngineLink, valid_url  # noqa: E402
 from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
@@ -273,6 +273,14 @@ def main() -> None:
     # Another tab may have changed the process's URL: show it here too.
     if st.session_state.get("url") != target.url:
         st.session_state["url"] = target.url
+    fleet, fleet_problem = fleet_ui.spec_for(target.url, sys.argv[1:], os.environ)
+    if fleet is not None or fleet_problem is not None:  # several engines: the fleet page
+        sidebar.render(None, target)
+        if fleet is None:
+            st.error(fleet_problem)
+            return
+        fleet_ui.render(fleet)
+        return
     problem = valid_url(target.url)
     replay = replay_ui.sidebar()  # an open recording stands in for the engine (app/replay_ui.py)
     link = replay or (None if problem else engine_link(target.url))

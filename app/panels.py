@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app import aggregate, compare, controls, ranks, session, sweep_view
+from app import aggregate, compare, controls, external, ranks, session, sweep_view
 from app.client import EngineLink, NotConnected
 from app.derive import headline
 from app.kvmap import PageMapStore
@@ -347,23 +347,39 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
 
 
 def external_charts(snap: Snapshot) -> None:
-    """An external engine's steps: aggregate composition, KV usage, queue, throughput."""
+    """An external engine's steps: one lane per data-parallel rank (a filter keeps one rank in
+    every figure), aggregate composition, KV usage, queue, throughput, and its KV events."""
     xmode = st.session_state.get("xmode", "step")
+    ranks_seen = external.dp_ranks(snap.steps, snap.kv_events)
+    rank = None
+    if len(ranks_seen) > 1:
+        choice = st.radio("Data-parallel rank", [external.ALL_RANKS, *ranks_seen],
+                          horizontal=True, key="dp_rank_filter")  # fmt: skip
+        rank = None if choice == external.ALL_RANKS else int(choice)
+    steps, kv = external.of_rank(snap.steps, rank), external.of_rank(snap.kv_events, rank)
+    for note in (external.time_note(steps), external.kv_gap_note(kv)):
+        if note:
+            st.caption(note)
+    chart("rank_lanes", _memo_key(snap, xmode, rank),
+          lambda: external.rank_lanes_figure(steps, xmode))  # fmt: skip
     st.caption(aggregate.NO_LANES_CAPTION)
     chart(
         "aggregate",
-        _memo_key(snap, xmode),
-        lambda: aggregate.aggregate_figure(snap.steps, xmode),
+        _memo_key(snap, xmode, rank),
+        lambda: aggregate.aggregate_figure(steps, xmode),
     )
-    if snap.kv_events:
+    if kv:
         st.markdown("**Prefix cache (KV events)**")
         st.caption(aggregate.KV_EVENTS_CAPTION)
-        last = snap.kv_events[-1].get("kv_seq")
+        last = kv[-1].get("kv_seq")
         chart(
             "kv_events",
-            _memo_key(snap, xmode, len(snap.kv_events), last),
-            lambda: aggregate.kv_events_figure(snap.kv_events, snap.steps, xmode),
+            _memo_key(snap, xmode, len(kv), last, rank),
+            lambda: aggregate.kv_events_figure(kv, steps, xmode),
         )
+        hits = external.kv_hit_rate_figure(kv)
+        if hits is not None:
+            chart("kv_hit_rate", _memo_key(snap, len(kv), last, rank), lambda: hits)
 
 
 def ranks_view(steps: Sequence[Message], engine: dict | None) -> None:

@@ -177,6 +177,8 @@ class Summary:
     steps: int = 0
     first_step: int | None = None
     last_step: int | None = None
+    # prompt tokens served by the prefix cache over prompt tokens of the admitted requests
+    prefix_hit_rate: float | None = None
 
 
 class Fold:
@@ -449,6 +451,7 @@ def _windowed(uid: int, row: Message | None) -> RequestRecord:
         rec.state = row.get("state", "waiting")
         rec.t_queued, rec.t_admitted = row.get("t_queued"), row.get("t_admitted")
         rec.t_first_token = row.get("t_first_token")
+        rec.prompt_len, rec.cached_len = row.get("prompt_len"), row.get("cached_len")
     return rec
 
 
@@ -464,7 +467,11 @@ def _summary(
     ttfts: list[float] = []
     itls: list[float] = []
     worst: tuple[float, int] | None = None
+    looked_up = hits = 0
     for rec in recs:
+        if rec.cached_len is not None and rec.prompt_len:
+            looked_up += rec.prompt_len
+            hits += rec.cached_len
         if rec.t_first_token is not None and rec.t_queued is not None:
             ttfts.append(rec.t_first_token - rec.t_queued)
         itls.extend(gaps(rec.token_times))
@@ -490,6 +497,7 @@ def _summary(
         steps=steps[0],
         first_step=steps[1],
         last_step=steps[2],
+        prefix_hit_rate=hits / looked_up if looked_up else None,
     )
 
 

@@ -385,13 +385,14 @@ def test_external_charts_draw_the_prefix_cache_from_kv_events() -> None:
     at = AppTest.from_function(page, default_timeout=30)
     at.session_state["with_kv"] = False
     at.run()
-    assert not at.exception and not at.markdown and len(at.get("plotly_chart")) == 1
+    # the engine's lane of steps (issue 26) and the aggregate figure
+    assert not at.exception and not at.markdown and len(at.get("plotly_chart")) == 2
     at = AppTest.from_function(page, default_timeout=30).run()
     assert not at.exception
     assert [m.value for m in at.markdown] == ["**Prefix cache (KV events)**"]
     charts = at.get("plotly_chart")
-    assert len(charts) == 2
-    fig = json.loads(charts[1].proto.spec)
+    assert len(charts) == 3  # no reuse reported: no hit-rate figure
+    fig = json.loads(charts[2].proto.spec)
     held = next(t for t in fig["data"] if t["name"] == "blocks held")
     assert held["x"] == [0, 1] and held["y"] == [2, 5]  # received after steps 0 and 1 ended
 
