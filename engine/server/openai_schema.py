@@ -53,7 +53,15 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "stop_token_ids": ([],),
     "response_format": ({"type": "text"},),
-    "prompt_logprobs": (0,),
+    # vLLM's extras that would change the result, refused at any value but their neutral one
+    "prompt_logprobs": (),  # vLLM's own shape of them; `echo` with `logprobs` gives OpenAI's
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "spaces_between_special_tokens": (True,),
+    "continue_final_message": (False,),
+    "functions": (),
+    "reasoning_effort": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -183,6 +191,7 @@ class CompletionBody(_Sampling):
     )
     echo: StrictBool = False
     logprobs: Logprobs | None = None
+    add_special_tokens: Literal[True] = True  # the tokenizer's BOS and the like, as vLLM's
 
 
 class ChatBody(_Sampling):
@@ -192,6 +201,7 @@ class ChatBody(_Sampling):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     add_generation_prompt: StrictBool = True
     echo: Literal[False] = False
+    add_special_tokens: Literal[False] = False  # the template has them, as vLLM's default
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatBody:

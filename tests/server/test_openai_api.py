@@ -792,6 +792,10 @@ def test_parse_accepts_what_common_clients_send() -> None:
         {"prompt": ""},
         {"prompt": "p", "model": 3},
         {"prompt": "p", "frequency_penalty": 1},
+        {"prompt": "p", "prompt_logprobs": 0},
+        {"prompt": "p", "add_special_tokens": False},
+        {"prompt": "p", "bad_words": ["x"]},
+        {"prompt": "p", "truncate_prompt_tokens": 4},
     ],
 )
 def test_parse_refuses_bad_fields(body: dict[str, Any]) -> None:
