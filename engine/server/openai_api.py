@@ -26,13 +26,16 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.detokenizer import StopMatcher
+from engine.server.openai_errors import ApiError
 from engine.server.openai_response import TokenLogprob, Usage
-from engine.server.openai_schema import ApiError, GenerationRequest
 from engine.server.prometheus import EngineMetrics
 from instrumentation.errors import NotFound
+
+if TYPE_CHECKING:  # the request models need pydantic, which only the web app imports
+    from engine.server.openai_schema import GenerationRequest
 
 log = logging.getLogger("stepscope.http")
 Message = dict[str, Any]

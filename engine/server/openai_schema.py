@@ -28,10 +28,11 @@ from pydantic import (
     model_validator,
 )
 
+from engine.server.openai_errors import ApiError, Endpoint, Message, bad
 from instrumentation.sampling import MAX_LOGPROBS
 
-Endpoint = Literal["completion", "chat"]
-Message = dict[str, Any]
+__all__ = ["ApiError", "ChatBody", "CompletionBody", "GenerationRequest", "bad", "parse_request"]
+
 Prompt = str | list[int]
 
 MAX_STOP_STRINGS = 16
@@ -68,34 +69,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (),
     "structured_outputs": (),
 }
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-
-    def body(self) -> Message:
-        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return {"error": err}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
 
 
 # -- field types: JSON has one number type, so 16.0 is the integer 16; true is never a number --

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -25,8 +25,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-if TYPE_CHECKING:
-    from engine.server.prometheus import EngineMetrics, _Hist
+# engine/server/prometheus.py's EngineMetrics and its histograms; not imported, since that
+# module imports this one (the layers stay acyclic)
+EngineMetrics = Any
+_Hist = Any
 
 PREFIX = "vllm:"
 LABELS = ["model_name", "engine"]
