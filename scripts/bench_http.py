@@ -2,7 +2,7 @@
 
     python scripts/bench_http.py --model tiny --prompt-len 64 --output-len 64 --streams 1,16,64
     # the H200 table of issue 27 (Qwen3-0.6B's shape, random weights):
-    python scripts/bench_http.py --model Qwen/Qwen3-0.6B --load-format dummy --device cuda \
+    python scripts/bench_http.py --model assets/qwen3-0.6b --load-format dummy --device cuda \
         --policy mixed --budget 8192 --prompt-len 512 --output-len 256 --streams 1,16,64,256
 
 `--hot-path` times only the HTTP side's Python per token (router, streams, SSE bytes).

@@ -2,7 +2,7 @@
 
     python scripts/bench_server.py overhead [--model smollm2] [--pairs 3]
     # issue 27 on the H200: 64 requests of 512 + 256 tokens, 1 client, then 8 and /metrics
-    python scripts/bench_server.py overhead --model Qwen/Qwen3-0.6B --load-format dummy \
+    python scripts/bench_server.py overhead --model assets/qwen3-0.6b --load-format dummy \
         --device cuda --policy mixed --budget 8192 --max-running 64 --lengths 512x64 \
         --max-tokens 256 --clients 8 --metrics-every 1
     python scripts/bench_server.py soak [--model tiny] [--requests 2000] [--overlap]
