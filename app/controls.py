@@ -10,7 +10,15 @@ from typing import Any
 
 from instrumentation.protocol import POLICY_NAMES as POLICIES
 
-POLICY_LABELS = {"prefill_first": "prefill-first (chapter 10)", "mixed": "mixed (stall-free)"}
+# The seed chapter the page makes visible, named wherever the page cites it.
+CHAPTER = (
+    "“Chunked prefill”, *mini-sglang from Scratch*, Stage 2 "
+    "(“Scheduling it well: many requests at once”)"
+)
+POLICY_LABELS = {
+    "prefill_first": "prefill-first (the chapter's)",
+    "mixed": "mixed (stall-free)",
+}
 BUDGET_STEPS = tuple(2**k for k in range(14))  # 1, 2, 4, ... 8192
 MAX_COPIES = 64
 

@@ -42,7 +42,7 @@ POLICY_CAPTIONS = {
     "prefill_first": (
         "Now **prefill-first**: a step runs one kind only, so no request decodes while a prompt "
         "is chunked (red): “there is no decode at all while the long prompt is being prefilled "
-        "in chunks” (chapter 10, *The cost*)."
+        "in chunks” (“Chunked prefill”, *mini-sglang from Scratch*, Stage 2, *The cost*)."
     ),
     "mixed": (
         "Now **mixed** (stall-free batching, Sarathi-Serve): every running request decodes one "
@@ -92,7 +92,7 @@ def _seconds(value: float | None) -> str:
 
 def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> None:
     """Draw a figure, rebuilding it only when its inputs changed since this tab last drew it."""
-    memo: dict[str, tuple[tuple, go.Figure]] = st.session_state.setdefault("figure_memo", {})
+    memo = session.FIGURE_MEMO.setdefault()
     hit = memo.get(name)
     if hit is None or hit[0] != key:
         hit = memo[name] = (key, build())
@@ -184,9 +184,10 @@ def _last_step_note(last: Message) -> str:
 
 def delivery_notice(snap: Snapshot) -> None:
     """Say when the record is not the whole truth: lost messages, or a new engine."""
-    seen = st.session_state.setdefault("restarts_seen", snap.restarts)
-    if snap.restarts > seen:
-        st.session_state["restarts_seen"] = snap.restarts
+    seen = session.RESTARTS_SEEN.get()
+    if seen is None or snap.restarts > seen:
+        session.RESTARTS_SEEN.set(snap.restarts)
+    if seen is not None and snap.restarts > seen:
         session.notify(False, "The engine restarted: the page now shows the new engine's record.")
     if snap.lost:
         st.warning(
@@ -225,9 +226,7 @@ def _captions(policy: str | None) -> dict[str, str]:
 
 def live_charts(link: EngineLink, hidden: bool = False) -> None:
     window = session.window_steps() or session.ALL_STEPS
-    opts = ViewOptions(
-        window=window, xmode=st.session_state.get("xmode", "step"), paused=not session.is_live()
-    )
+    opts = ViewOptions(window=window, xmode=session.XMODE.get(), paused=not session.is_live())
     _live_charts(link.store, "charts", opts, _captions, hidden=hidden)
 
 
@@ -349,7 +348,7 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
 def external_charts(snap: Snapshot) -> None:
     """An external engine's steps: one lane per data-parallel rank (a filter keeps one rank in
     every figure), aggregate composition, KV usage, queue, throughput, and its KV events."""
-    xmode = st.session_state.get("xmode", "step")
+    xmode = session.XMODE.get()
     ranks_seen = external.dp_ranks(snap.steps, snap.kv_events)
     rank = None
     if len(ranks_seen) > 1:
@@ -421,7 +420,11 @@ def compare_charts(a: compare.Side, b: compare.Side, xmode: str) -> None:
 
 def sweep_chart(sweep: sweep_view.SweepFolder, on_select: Callable[[], None]) -> None:
     """The sweep's trade-off plot; a click on a point calls `on_select` (the run it names is
-    `sweep_view.selected_run(sweep, st.session_state["sweep_chart"])`)."""
+    `sweep_view.selected_run(sweep, session.SWEEP_CHART.get())`)."""
     sweep_plot(
-        "sweep_chart", sweep_view.points(sweep), sweep.title, SWEEP_CAPTION, on_select=on_select
+        session.SWEEP_CHART.key,
+        sweep_view.points(sweep),
+        sweep.title,
+        SWEEP_CAPTION,
+        on_select=on_select,
     )

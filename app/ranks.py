@@ -1,7 +1,7 @@
 """Tensor-parallel ranks: each rank's forward time per step, so a straggler stands out.
 
 Steps of a `tp_size > 1` engine carry `ranks: [{"rank", "forward_s", "comm_s"}, ...]`
-(PROTOCOL.md); a rank's time may be None (not measured), which is a gap, not a zero.
+(docs/protocol.md); a rank's time may be None (not measured), which is a gap, not a zero.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Workload presets: scripted sequences of protocol commands that make the chapter visible.
+"""Workload presets: scripted sequences of protocol commands that make the seed chapter visible
+(“Chunked prefill”, *mini-sglang from Scratch*, Stage 2, “Scheduling it well: many requests at
+once”).
 
 A preset is data (`Submit`, `SetConfig`, `AwaitTokens`); `PresetRun` plays one in a background
 thread through the engine link, so the page stays responsive while it waits for tokens.
@@ -18,6 +20,7 @@ from app.state import EventStore, Message
 
 _LIVE = frozenset({"waiting", "running"})
 _RUNS = itertools.count(1)
+PROMPT_PRESET = "prompt"  # the key of the page's own prompt played as a preset
 ENGINE_WAIT_S = 900.0  # a first start converts the model; that can take minutes
 
 
@@ -157,8 +160,9 @@ PRESETS: tuple[Preset, ...] = (
     Preset(
         "chapter",
         "The chapter's example",
-        "Budget 16, prefill-first, and the chapter's three prompts (max_tokens=3): a 58-token "
-        "prompt cut into 16-token chunks, the next request chunked behind it.",
+        "Budget 16, prefill-first, and the three prompts of " + controls.CHAPTER + " "
+        "(max_tokens=3): a 58-token prompt cut into 16-token chunks, the next request chunked "
+        "behind it.",
         (
             SetConfig(max_extend_tokens=16, policy="prefill_first"),
             *(Submit(p, max_tokens=3, ignore_eos=True) for p in CHAPTER_PROMPTS),
@@ -172,7 +176,7 @@ def prompt_preset(commands: list[Message]) -> Preset:
     """The page's own prompt (and its copies) as a preset, so it can wait for the engine."""
     first = commands[0]
     return Preset(
-        "prompt",
+        PROMPT_PRESET,
         "Your prompt" + (f" ×{len(commands)}" if len(commands) > 1 else ""),
         first["prompt"][:80],
         tuple(

@@ -189,11 +189,14 @@ class ModelRunner:
         reqs = batch.reqs
         ids, dst, src = self.input_ids(reqs, prev)
         spans, slots = ([], []) if self.sync is None else self.sync.updates(reqs, self.table)
-        prompt_rows, prompt_upto = [], []
+        prompt_rows, prompt_from, prompt_upto = [], [], []
         for i, r in enumerate(reqs):
+            # position p scores prompt token p + 1; those scored already are not again
+            first = max(r.cached_len, len(r.state.prompt_logprobs))
             upto = min(r.device_len, r.state.prompt_len - 1)
-            if r.state.params.prompt_logprobs is not None and r.cached_len < upto:
+            if r.state.params.prompt_logprobs is not None and first < upto:
                 prompt_rows.append(i)
+                prompt_from.append(first)
                 prompt_upto.append(upto)
         self._seq += 1
         return StepPlan(
@@ -204,9 +207,10 @@ class ModelRunner:
             ids=ids,
             patch_dst=dst,
             patch_src=src,
-            sample=[i for i, r in enumerate(reqs) if batch.kind(r) != "chunk"],
+            sample=[i for i, r in enumerate(reqs) if batch.samples(r)],
             decode=batch.phase == "decode",
             prompt_rows=prompt_rows,
+            prompt_from=prompt_from,
             prompt_upto=prompt_upto,
             spans=spans,
             slots=slots,
@@ -259,8 +263,10 @@ class ModelRunner:
         """The logprobs of the prompt tokens that the plan's kept positions predict."""
         targets: list[int] = []
         k = 0
-        for i, upto in zip(plan.prompt_rows, plan.prompt_upto, strict=True):
-            req, start = batch.reqs[i], plan.starts[i]
+        for i, start, upto in zip(
+            plan.prompt_rows, plan.prompt_from, plan.prompt_upto, strict=True
+        ):
+            req = batch.reqs[i]
             out.prompt.append((req, start, upto - start))
             targets += req.state.prompt_ids[start + 1 : upto + 1]
             k = max(k, req.state.params.prompt_logprobs or 0)
@@ -354,8 +360,11 @@ class ModelRunner:
         for s, e in zip(plan.starts, plan.ends, strict=True):
             ends.append(ends[-1] + e - s)
         last = [ends[i + 1] - 1 for i in plan.sample]
-        for i, upto in zip(plan.prompt_rows, plan.prompt_upto, strict=True):
-            last += range(ends[i], ends[i] + upto - plan.starts[i])  # after the sampling rows
+        for i, first, upto in zip(
+            plan.prompt_rows, plan.prompt_from, plan.prompt_upto, strict=True
+        ):
+            at = ends[i] + first - plan.starts[i]  # the row of position `first` in `hidden`
+            last += range(at, at + upto - first)  # after the sampling rows
         rows = torch.tensor(last).to(self.device, non_blocking=True)  # no wait for the device
         logits = self.model.logits(hidden[rows])
         return None if logits is None else logits.float()
