@@ -534,12 +534,13 @@ def assert_idle(server: ApiServer, timeout: float = 60.0, **client: Any) -> dict
         deadline = time.monotonic() + timeout
         while True:
             stats = c.stats()
-            idle = stats["queue"] == {"waiting": 0, "running": 0} and stats["kv"]["used"] == 0
+            queue = (stats["queue"]["waiting"], stats["queue"]["running"])
+            idle = queue == (0, 0) and stats["kv"]["used"] == 0
             if idle or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert stats["integrity"] == "ok", stats
-        assert stats["queue"] == {"waiting": 0, "running": 0}, stats
+        assert queue == (0, 0), stats
         assert stats["kv"]["used"] == 0, stats
         return stats
     finally:
