@@ -42,6 +42,9 @@ MODEL = os.environ.get("STEPSCOPE_MODEL", "smollm2")
 AUTOSTART = os.environ.get("STEPSCOPE_AUTOSTART", "1") != "0"
 ENGINE_ARGS = tuple(shlex.split(os.environ.get("STEPSCOPE_ENGINE_ARGS", "")))
 REFRESH_S = sidebar.REFRESH_S
+# While the page waits on the engine (controls not drawn yet, a prompt held), it looks this often
+# whether the full page must be redrawn; once whole, this watch is not drawn at all.
+WATCH_S = 0.25
 # An external engine's OpenAI endpoint: `streamlit run app/main.py -- --openai-url URL` or env.
 OPENAI_URL = external.openai_url_from(sys.argv[1:], os.environ)
 
@@ -103,6 +106,13 @@ def page_outdated(link: EngineLink) -> bool:
         or session.controls_outdated(link)
         or session.held_outdated()
     )
+
+
+def redraw_when_outdated(link: EngineLink) -> None:
+    """Draws nothing: asks for the full page once what it shows is outdated (the first minute:
+    the engine's config arrived, a held prompt was sent)."""
+    if page_outdated(link):
+        st.rerun(scope="app")
 
 
 # ---- main area --------------------------------------------------------------------------------
@@ -357,6 +367,8 @@ def page() -> None:
     # Few fragments, each doing several views' work: every fragment run is a turn of the one
     # script thread, which the live charts' pulls wait behind (issue 13: several updates a second)
     st.fragment(top_panels, run_every=REFRESH_S)(link, launcher)
+    if session.awaiting_engine():
+        st.fragment(redraw_when_outdated, run_every=WATCH_S)(link)
     prompt_form(link, mode)
     notices_line()
     replay_ui.panels()

@@ -286,6 +286,12 @@ def _abort(link: EngineLink, uid: int) -> None:
     )  # v1.1 acknowledges it
 
 
+def waiting_reason(steps: list[Message]) -> str | None:
+    """Why the head of the waiting queue was not admitted in the latest step (the protocol's
+    `queue.waiting_reason`; None when nothing waited)."""
+    return (steps[-1].get("queue") or {}).get("waiting_reason") if steps else None
+
+
 def request_source(record: Message) -> str:
     """Where a request came from: "http" (the OpenAI API), else the page's WebSocket."""
     return str(record.get("source") or "ws/page")
@@ -294,14 +300,24 @@ def request_source(record: Message) -> str:
 def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = None) -> None:
     """The requests table; `abort_note` (an external engine's reason) disables Abort."""
     live = [r for r in snap.requests if r.get("state") in ("waiting", "running")]
+    reason = waiting_reason(snap.steps)
+    if reason is not None and any(r.get("state") == "waiting" for r in live):
+        st.caption(
+            "Why requests wait: the head of the queue was not admitted in the last step for "
+            f"**{controls.WAIT_REASON_TEXT.get(reason, reason)}** (admission is FIFO: the "
+            "others wait behind it)."
+        )
     if live:
         st.markdown("**In flight**")
     for r in live:
         uid = int(r["uid"])
         color = request_color(uid)
         c1, c2, c3 = st.columns([1.2, 6, 1])
+        state = str(r["state"])
+        if state == "waiting" and reason is not None:
+            state += f" ({reason})"
         c1.markdown(
-            f"<span style='color:{color};font-weight:600'>■ req {uid}</span> · {r['state']}",
+            f"<span style='color:{color};font-weight:600'>■ req {uid}</span> · {state}",
             unsafe_allow_html=True,
         )
         done = int(r.get("output_len") or 0)
@@ -329,6 +345,8 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
                 "uid": r["uid"],
                 "source": request_source(r),
                 "state": r.get("state"),
+                "waits for": reason if r.get("state") == "waiting" else None,
+                "retracted": r.get("retractions") or 0,
                 "prompt": r.get("prompt_len"),
                 "cached": r.get("cached_len"),
                 "output": r.get("output_len"),

@@ -56,7 +56,9 @@ class Field(Generic[T]):
         self._factory = factory
 
     def _new(self) -> T:
-        return self._factory() if self._factory is not None else self._default  # type: ignore[return-value]
+        if self._factory is not None:
+            return self._factory()
+        return self._default  # type: ignore[return-value]  # None for an optional field
 
     def get(self) -> T:
         ss = st.session_state
@@ -95,12 +97,14 @@ IGNORE_EOS = Field[bool]("ignore_eos", False)
 BUDGET_SLIDER = Field[int]("budget_slider", DEFAULT_BUDGET)
 BUDGET_EXACT = Field[int]("budget_exact", DEFAULT_BUDGET)
 POLICY = Field[str]("policy", controls.POLICIES[0])
+ADMISSION = Field[str]("admission", controls.ADMISSIONS[0])
 SYNCED_CONFIG = Field["dict[str, Any] | None"]("synced_config")
 OWN_CONFIGS = Field["list[tuple[dict[str, Any], float]]"]("own_configs", factory=list)
 # a control's value from before a sync, and when it was replaced: (value, monotonic time)
 STALE = {
     "max_extend_tokens": Field["tuple[Any, float] | None"]("stale_max_extend_tokens"),
     "policy": Field["tuple[Any, float] | None"]("stale_policy"),
+    "admission": Field["tuple[Any, float] | None"]("stale_admission"),
 }
 # notices and runs
 NOTICES = Field["list[Notice]"]("notices", factory=list)
@@ -221,6 +225,12 @@ def settle_held() -> None:
     for k, notice in enumerate(items):
         if (settled := _settled(notice)) is not None:
             items[k] = settled
+
+
+def awaiting_engine() -> bool:
+    """This run drew the page before the engine was ready for it: the scheduling controls are
+    missing, or a notice says a prompt or workload is held."""
+    return CONTROLS_WAITING.get() or any(n.held is not None for n in notices())
 
 
 def controls_waiting(waiting: bool) -> None:

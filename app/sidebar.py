@@ -46,6 +46,7 @@ def _apply_config(link: EngineLink, **fields: object) -> None:
         synced = {
             "max_extend_tokens": reply.get("max_extend_tokens"),
             "policy": reply.get("policy"),
+            "admission": reply.get("admission"),
         }
         session.SYNCED_CONFIG.set(synced)
         # what this tab set, newest last: the store may still show an older one of them for a
@@ -66,6 +67,8 @@ def _stale(field: str, value: object) -> bool:
     if field == "max_extend_tokens":
         session.BUDGET_EXACT.set(synced[field])
         session.BUDGET_SLIDER.set(synced[field])
+    elif field == "admission":
+        session.ADMISSION.set(synced[field])
     else:
         session.POLICY.set(synced[field])
     return True
@@ -93,6 +96,12 @@ def _on_policy(link: EngineLink) -> None:
     _apply_config(link, policy=session.POLICY.get())
 
 
+def _on_admission(link: EngineLink) -> None:
+    if _stale("admission", session.ADMISSION.get()):
+        return
+    _apply_config(link, admission=session.ADMISSION.get())
+
+
 def _start_preset(link: EngineLink, preset: workloads.Preset) -> None:
     run = workloads.PresetRun(preset).start(link)
     if link.status().state == "connected":
@@ -117,6 +126,7 @@ def _sync_controls(config: dict | None) -> None:
     if not session.BUDGET_SLIDER.present():
         session.BUDGET_SLIDER.set(exact)
     policy = session.POLICY.setdefault()
+    admission = session.ADMISSION.setdefault()
     if config and config.get("max_extend_tokens") and session.SYNCED_CONFIG.get() != config:
         if _lagging(config):
             return
@@ -131,6 +141,10 @@ def _sync_controls(config: dict | None) -> None:
             if policy != config["policy"]:
                 session.STALE["policy"].set((policy, now))
             session.POLICY.set(config["policy"])
+        if config.get("admission") in controls.ADMISSIONS:
+            if admission != config["admission"]:
+                session.STALE["admission"].set((admission, now))
+            session.ADMISSION.set(config["admission"])
 
 
 def _lagging(config: dict) -> bool:
@@ -139,7 +153,7 @@ def _lagging(config: dict) -> bool:
     mine = session.OWN_CONFIGS.get()
     if len(mine) < 2 or time.monotonic() - mine[-1][1] > STALE_S:
         return False
-    shown = {"max_extend_tokens": config.get("max_extend_tokens"), "policy": config.get("policy")}
+    shown = {k: config.get(k) for k in ("max_extend_tokens", "policy", "admission")}
     return any(shown == cfg for cfg, _ in mine[:-1]) and shown != mine[-1][0]
 
 
@@ -273,6 +287,21 @@ def _scheduling_controls(link: EngineLink, config: dict | None, disabled: bool =
         ],
         help=f"prefill-first is the policy of {controls.CHAPTER}; mixed is Sarathi-Serve's "
         "stall-free batching.",
+        disabled=disabled,
+    )
+    st.radio(
+        "Admission",
+        controls.ADMISSIONS,
+        format_func=controls.ADMISSION_LABELS.__getitem__,
+        key=session.ADMISSION.key,
+        on_change=_on_admission,
+        args=(link,),
+        captions=[
+            "every page a request may need is promised: nothing is ever retracted",
+            "outputs are estimated; when decode runs out of pages, requests are retracted",
+        ],
+        help="reserve is the chapter's rule; optimistic is SGLang's new_token_ratio. Applies "
+        "from the next step; admitted requests keep their promise.",
         disabled=disabled,
     )
 

@@ -46,9 +46,10 @@ class Submit:
 class SetConfig:
     max_extend_tokens: int | None = None
     policy: str | None = None
+    admission: str | None = None
 
     def command(self) -> Message:
-        return controls.set_config(self.max_extend_tokens, self.policy)
+        return controls.set_config(self.max_extend_tokens, self.policy, self.admission)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,20 @@ PRESETS: tuple[Preset, ...] = (
                 Submit(SYSTEM_PROMPT + f"User: {q}\nAssistant:", max_tokens=24)
                 for q in VISITOR_QUESTIONS[1:]
             ),
+        ),
+    ),
+    Preset(
+        "pressure",
+        "KV pressure",
+        "Sixteen long answers (160 tokens each) at once, for a small KV pool: start the engine "
+        "with STEPSCOPE_ENGINE_ARGS='--num-pages 640'. Under reserve admission each request is "
+        "promised all 160 output pages, so three or four run at a time, the rest wait "
+        "(reason: reserved) and the pool never fills. Under optimistic admission more run at "
+        "once, the pool hits full, and requests are retracted (red markers) and recomputed "
+        "later: more tokens per second, but the retracted ones wait longer.",
+        tuple(
+            Submit(p, max_tokens=160, chat=True, ignore_eos=True, fresh=True)
+            for p in (*CHAT_PROMPTS, *SHORT_QUESTIONS)
         ),
     ),
     Preset(

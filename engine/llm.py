@@ -41,7 +41,11 @@ class LLM:
     model download and load. `LLM.from_config(config)` takes a whole `EngineConfig`."""
 
     def __init__(
-        self, model: str | os.PathLike[str] = "smollm2", *, progress: bool = True, **settings: Any
+        self,
+        model: str | os.PathLike[str] = EngineConfig.model,
+        *,
+        progress: bool = True,
+        **settings: Any,
     ) -> None:
         # validate everything cheap before the slow model load
         self._start(EngineConfig.of("LLM()", model=str(model), **settings), progress)

@@ -39,8 +39,8 @@ from instrumentation.protocol import ENDED_STATES, POLICY_NAMES  # noqa: E402  (
 
 def tiny_model(dst: Path) -> Path:
     """A tiny random-weight Llama with the SmolLM2 tokenizer (what the tests use)."""
+    from engine.checks.models import make_tiny
     from engine.models.loader import resolve
-    from tests.models import make_tiny
 
     return make_tiny("llama", dst, resolve("smollm2", progress=False).path)
 

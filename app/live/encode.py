@@ -22,13 +22,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from instrumentation.fold import samples
 from instrumentation.metrics import stalled_between
+from instrumentation.protocol import WAIT_REASONS
 
 Message = dict[str, Any]
 
 PHASES = ("prefill", "decode", "mixed")
-KINDS = ("chunk", "prefill", "decode")  # the item kind codes sent to the browser
-SAMPLING = frozenset({"prefill", "decode"})
+KINDS = ("chunk", "prefill", "decode", "recompute")  # the item kind codes sent to the browser
+REASONS = (None, *WAIT_REASONS)  # a step's waiting reason, as a code (0: nothing waited)
 # what the charts read of a request (its lanes: waiting, first token, end); a row is sent again
 # only when one of these changed, not for every token
 REQUEST_FIELDS = ("uid", "state", "t_queued", "t_first_token", "t_finished")
@@ -101,7 +103,7 @@ class StepEncoder:
             for k in (
                 "step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total",
                 "reserved", "waiting", "running", "prompt", "decode", "wasted", "stalled",
-                "sampled",
+                "sampled", "retracted", "reason",
             )
         }  # fmt: skip
         items: dict[str, list] = {k: [] for k in ITEM_FIELDS}
@@ -127,6 +129,10 @@ class StepEncoder:
             "packed": packed,
             "stalls": stalls,
             "ongoing": ongoing,
+            # [step, uid] of each retraction: a marker on the timeline, a gap in its lane
+            "retractions": [
+                [int(s["step"]), int(u)] for s in steps for u in s.get("retracted") or ()
+            ],
         }
 
     def _pack(self, step_items: Sequence[Message]) -> tuple[list[Message], dict[str, Any]]:
@@ -209,7 +215,7 @@ class StepEncoder:
                 decode += n
             else:
                 prompt += n
-            if it["kind"] in SAMPLING and not w:
+            if samples(it):
                 sampled.add(int(it["uid"]))
         stalled = 0
         gone = []
@@ -242,7 +248,9 @@ class StepEncoder:
             ("reserved", int(kv.get("reserved", 0))),
             ("waiting", int(queue.get("waiting", 0))), ("running", int(queue.get("running", 0))),
             ("prompt", prompt), ("decode", decode), ("wasted", wasted), ("stalled", stalled),
-            ("sampled", len(sampled)),
+            ("sampled", len(sampled)), ("retracted", len(s.get("retracted") or ())),
+            ("reason", REASONS.index(queue.get("waiting_reason"))
+             if queue.get("waiting_reason") in REASONS else 0),
         ):  # fmt: skip
             cols[key].append(value)
 

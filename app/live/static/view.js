@@ -34,10 +34,12 @@
         swatch("budget (max_extend_tokens)", "border:none;border-top:2px dashed #222;height:0;vertical-align:3px"),
         swatch("decode stalled", `border:none;width:0;height:0;border-left:6px solid transparent;border-right:6px solid transparent;border-bottom:10px solid ${style.stall}`));
       for (const p of style.phases) items.push(swatch(`${p} step`, `background:${style.phase_colors[p]}`));
-      items.push(swatch("waiting", `background:${style.wait}`), swatch("stall (no token)", `background:${style.stall}`));
+      items.push(swatch("waiting", `background:${style.wait}`), swatch("stall (no token)", `background:${style.stall}`),
+        swatch("retracted (✕ on top: pool out of pages; lane: waiting to be recomputed)", `background:${style.stall};opacity:0.45`));
     } else if (view === "kv") {
       for (const k of ["used", "cached", "free"]) items.push(swatch(`${k} pages`, `background:${style.kv[k]}`));
-      items.push(swatch("reserved (promised, not yet allocated)", "border:none;border-top:2px dotted #222;height:0;vertical-align:3px"));
+      items.push(swatch("reserved (promised or estimated, not yet computed)", "border:none;border-top:2px dotted #222;height:0;vertical-align:3px"),
+        swatch("pool full (nothing free or evictable)", `border:none;width:0;height:0;border-left:6px solid transparent;border-right:6px solid transparent;border-top:10px solid ${style.stall}`));
     } else if (view === "latency") {
       items.push(swatch("inter-token latency", "background:#555;border-radius:50%"),
         swatch("after a stall (steps ran without the request)", `background:${style.stall};border-radius:50%`));
