@@ -60,7 +60,7 @@ def model_path(name: str, tmp: Path) -> str:
     if name != "tiny":
         return name
     from engine.models.loader import resolve
-    from tests.models import make_tiny
+    from engine.checks import make_tiny
 
     return str(make_tiny("llama", tmp / "tiny", resolve("smollm2", progress=False).path))
 
