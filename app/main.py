@@ -220,14 +220,8 @@ def notices_line() -> None:
 
 
 def external_area(link: EngineLink) -> None:
-    """An external engine's aggregate steps (the live charts draw per-request items)."""
-    panels.external_charts(session.view_snapshot(link))
-
-
-def ranks_area(link: EngineLink) -> None:
-    """Each tensor-parallel rank's step time, when the engine's steps carry ranks."""
-    snap = session.view_snapshot(link, cap=panels.LATENCY_STEPS)
-    panels.ranks_view(snap.steps, snap.engine)
+    """A watched engine's prefix cache, from its KV events (its steps are in the live charts)."""
+    panels.kv_events_chart(session.view_snapshot(link))
 
 
 def live_area(link: EngineLink) -> None:
@@ -245,8 +239,7 @@ def top_panels(link: EngineLink, launcher: Launcher) -> None:
 
 
 def lower_panels(link: EngineLink, abort_note: str | None = None) -> None:
-    """Below the charts: the tensor-parallel ranks (when steps carry them) and the detail tabs."""
-    ranks_area(link)
+    """Below the charts: the detail tabs."""
     detail_views(link, abort_note)
 
 
@@ -302,8 +295,7 @@ def main() -> None:
     abort_note = ("Abort: " + mode.disabled_note()) if mode.external else None
     if mode.external:
         st.fragment(external_area, run_every=every)(link)
-    else:
-        st.fragment(live_area, run_every=LIVE_EVERY_S if session.is_live() else None)(link)
+    st.fragment(live_area, run_every=LIVE_EVERY_S if session.is_live() else None)(link)
     st.fragment(lower_panels, run_every=every)(link, abort_note)
 
 

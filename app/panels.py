@@ -2,9 +2,10 @@
 
 Every chart of a stepscope engine's steps is the `app.live` component, drawn in the browser:
 live and replayed steps from new steps only, a compared recording whole, the sweep's trade-off
-plot. The other views draw from a bounded snapshot in fragments that rerun every second while
-their tab is open. An external engine's aggregate steps and tensor-parallel ranks are plotly
-figures (app.aggregate, app.ranks), memoized per tab on the data's version.
+plot; an external engine's aggregate steps and a tensor-parallel engine's ranks too. The other
+views draw from a bounded snapshot in fragments that rerun every second while their tab is open.
+A watched vLLM's KV events are the one plotly figure (app.aggregate), memoized on the data's
+version.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app import aggregate, compare, controls, ranks, session, sweep_view
+from app import aggregate, compare, controls, session, sweep_view
 from app.client import EngineLink, NotConnected
 from app.derive import headline
 from app.kvmap import PageMapStore
@@ -74,6 +75,10 @@ ITL_CAPTION = (
     "Time from each request's previous token to this one, at the step that sampled it. **Red "
     "points** ended a stall: the request was running but steps ran without it. The tail of this "
     "is what a chatting user feels as a freeze."
+)
+RANKS_CAPTION = (
+    "Each tensor-parallel rank's forward time per step (solid) and its all-reduce share "
+    "(dotted): a rank whose line sits above the others is a straggler every other rank waits for."
 )
 SWEEP_CAPTION = (
     "One point per run, TTFT p50 against the tail you pick, one line per policy through its "
@@ -203,6 +208,8 @@ def _captions(policy: str | None) -> dict[str, str]:
         "kv": KV_CAPTION,
         "progress": PROGRESS_CAPTION,
         "latency": ITL_CAPTION,
+        "ranks": RANKS_CAPTION,
+        "aggregate": aggregate.NO_LANES_CAPTION,
     }
 
 
@@ -329,41 +336,19 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
 # ---- external engines and tensor-parallel ranks -----------------------------------------------
 
 
-def external_charts(snap: Snapshot) -> None:
-    """An external engine's steps: aggregate composition, KV usage, queue, throughput."""
-    xmode = st.session_state.get("xmode", "step")
-    st.caption(aggregate.NO_LANES_CAPTION)
-    chart(
-        "aggregate",
-        _memo_key(snap, xmode),
-        lambda: aggregate.aggregate_figure(snap.steps, xmode),
-    )
-    if snap.kv_events:
-        st.markdown("**Prefix cache (KV events)**")
-        st.caption(aggregate.KV_EVENTS_CAPTION)
-        last = snap.kv_events[-1].get("kv_seq")
-        chart(
-            "kv_events",
-            _memo_key(snap, xmode, len(snap.kv_events), last),
-            lambda: aggregate.kv_events_figure(snap.kv_events, snap.steps, xmode),
-        )
-
-
-def ranks_view(steps: Sequence[Message], engine: dict | None) -> None:
-    """Each tensor-parallel rank's forward time per step (drawn only when steps carry ranks)."""
-    if not any(s.get("ranks") for s in steps):
+def kv_events_chart(snap: Snapshot) -> None:
+    """A watched vLLM's prefix cache from its KV events (the one chart the live component does
+    not draw: KV events are not steps)."""
+    if not snap.kv_events:
         return
-    tp = ranks.tp_caption(engine or {}) or "tensor parallel"
-    numbers, series = ranks.rank_series(steps)
-    slow = ranks.slowest_rank(series)
-    note = "" if slow is None else f" · slowest on average: rank {slow}"
-    st.markdown(f"**Ranks** ({tp}{note})")
-    st.caption(
-        "Forward time per rank per step (solid) and its all-reduce share (dotted): a rank whose "
-        "line sits above the others is a straggler every other rank waits for."
-    )
+    xmode = st.session_state.get("xmode", "step")
+    st.markdown("**Prefix cache (KV events)**")
+    st.caption(aggregate.KV_EVENTS_CAPTION)
+    last = snap.kv_events[-1].get("kv_seq")
     chart(
-        "ranks", (len(steps), numbers[-1] if numbers else None), lambda: ranks.ranks_figure(steps)
+        "kv_events",
+        _memo_key(snap, xmode, len(snap.kv_events), last),
+        lambda: aggregate.kv_events_figure(snap.kv_events, snap.steps, xmode),
     )
 
 

@@ -239,7 +239,7 @@ def main() -> int:
         )
         say(f"drawing; {load.steps} engine steps so far")
         waited = 0
-        while load.decoding < args.requests:
+        while load.decoding < args.requests and waited < 240:  # at most 2 minutes
             page.wait_for_timeout(500)
             waited += 1
             if waited % 20 == 0:

@@ -41,7 +41,8 @@ _component = v2.component(
 )
 
 # The charts' files, in load order: data.js first (the others read it), view.js last.
-SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "pagemap.js", "sweep.js", "view.js")
+SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "aggregate.js", "pagemap.js",
+           "sweep.js", "view.js")  # fmt: skip
 # The browser asks for the next batch at most this often (10 a second). A pull that finds nothing
 # new is held on the server until the engine's next step lands (at most HOLD_S), so a step is
 # drawn as soon as it arrives rather than at the next poll: with polling, a page whose pulls

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.aggregate import aggregate_step, is_aggregate
 from instrumentation.metrics import stalled_between
 
 Message = dict[str, Any]
@@ -96,14 +97,7 @@ class StepEncoder:
         `ended` maps requests known to have ended to their end time: a request that finished
         is not stalled in the steps after its end, and its trailing gap is no stall.
         """
-        cols: dict[str, list] = {
-            k: []
-            for k in (
-                "step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total",
-                "reserved", "waiting", "running", "prompt", "decode", "wasted", "stalled",
-                "sampled",
-            )
-        }  # fmt: skip
+        cols: dict[str, list] = {k: [] for k in STEP_COLUMNS}
         items: dict[str, list] = {k: [] for k in ITEM_FIELDS}
         packed: list[dict[str, Any]] = []
         stalls: list[list] = []
@@ -237,14 +231,54 @@ class StepEncoder:
             ("step", number), ("t0", _r(t0)), ("t1", _r(t1)),
             ("phase", PHASES.index(s["phase"]) if s["phase"] in PHASES else 2),
             ("budget", int(s.get("budget") or 0)),
-            ("used", int(kv.get("used", 0))), ("cached", int(kv.get("cached", 0))),
-            ("free", int(kv.get("free", 0))), ("total", int(kv.get("total", 0))),
-            ("reserved", int(kv.get("reserved", 0))),
-            ("waiting", int(queue.get("waiting", 0))), ("running", int(queue.get("running", 0))),
+            ("used", int(kv.get("used") or 0)), ("cached", int(kv.get("cached") or 0)),
+            ("free", int(kv.get("free") or 0)), ("total", int(kv.get("total") or 0)),
+            ("reserved", int(kv.get("reserved") or 0)),
+            ("waiting", int(queue.get("waiting") or 0)), ("running", int(queue.get("running") or 0)),
             ("prompt", prompt), ("decode", decode), ("wasted", wasted), ("stalled", stalled),
             ("sampled", len(sampled)),
         ):  # fmt: skip
             cols[key].append(value)
+        _counts(s, cols)
+
+
+STEP_COLUMNS = (
+    "step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total", "reserved",
+    "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled",
+    # an external engine's step (counts, no items; each None where its log did not say it)
+    "agg", "a_prompt", "a_cached", "a_dtok", "a_dreq", "a_wait", "a_run", "a_usage", "a_tps",
+    "a_sample",
+    # a tensor-parallel engine's step: [[rank, forward ms, all-reduce ms], ...]
+    "ranks",
+)  # fmt: skip
+
+
+def _counts(s: Message, cols: dict[str, list]) -> None:
+    """What an external engine's step says (app.aggregate reads the same fields), and each
+    tensor-parallel rank's times; None where the step does not say it. Columns that stay None
+    travel as one value (compact_columns)."""
+    agg = aggregate_step(s) if is_aggregate(s) else None
+    cols["agg"].append(1 if agg else 0)
+    for key, field_ in AGGREGATE_FIELDS.items():
+        value = getattr(agg, field_) if agg else None
+        cols[key].append(_r(value) if isinstance(value, float) else value)
+    ranks = s.get("ranks")
+    cols["ranks"].append(
+        [[int(r["rank"]), _ms(r.get("forward_s")), _ms(r.get("comm_s"))] for r in ranks]
+        if ranks
+        else None
+    )
+
+
+AGGREGATE_FIELDS = {
+    "a_prompt": "prompt_tokens", "a_cached": "cached_tokens", "a_dtok": "decode_tokens",
+    "a_dreq": "decode_requests", "a_wait": "waiting", "a_run": "running", "a_usage": "kv_usage",
+    "a_tps": "gen_throughput", "a_sample": "sample_of_steps",
+}  # fmt: skip
+
+
+def _ms(seconds: Any) -> float | None:
+    return None if seconds is None else round(1000.0 * float(seconds), 3)
 
 
 def _start(it: Message) -> int:

@@ -3,8 +3,11 @@
 // (timeline.js, kv.js, progress.js) through `window.stepscope`.
 (function (S) {
   "use strict";
+  // encode.STEP_COLUMNS: an external engine's counts (agg, a_*) and tensor-parallel ranks last
   const STEP_COLS = ["step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total",
-    "reserved", "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled"];
+    "reserved", "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled",
+    "agg", "a_prompt", "a_cached", "a_dtok", "a_dreq", "a_wait", "a_run", "a_usage", "a_tps",
+    "a_sample", "ranks"];
   const ITEM_COLS = ["step", "uid", "kind", "a", "b", "base", "w"];
   const KINDS = ["chunk", "prefill", "decode"];
   const REQ_FIELDS = ["uid", "state", "t_queued", "t_first_token", "t_finished"];
@@ -19,7 +22,7 @@
       for (const name of this.names) {
         const src = cols[name];
         const dst = this[name];
-        for (let i = 0; i < n; i++) dst.push(src ? src[i] : 0);
+        for (let i = 0; i < n; i++) dst.push(src ? src[i] : null);
       }
       this.length += n;
     }

@@ -12,7 +12,8 @@
 // (the last `window` steps) and lays them out.
 (function (S) {
   "use strict";
-  const { Record, Axis, timelineFigure, kvFigure, progressFigure, itlFigure } = S;
+  const { Record, Axis, timelineFigure, kvFigure, progressFigure, itlFigure, aggregateFigure, ranksFigure } = S;
+  const PER_REQUEST = ["kv", "progress", "latency"]; // views an external engine's counts cannot draw
   const views = new Map(); // parentElement -> its view
   const groups = new Map(); // link group -> the views that zoom together
 
@@ -22,6 +23,7 @@
 
   function legendHtml(view, lod, style) {
     const items = [];
+    if (view === "ranks" || lod === "aggregate") return ""; // plotly's own legend: few traces
     if (view === "timeline") {
       if (lod === "totals") {
         items.push(swatch("decode tokens (all requests)", "background:#555"),
@@ -72,6 +74,7 @@
           <button data-view="kv">KV pool</button>
           <button data-view="progress">Decode progress</button>
           <button data-view="latency">Inter-token latency</button>
+          <button data-view="ranks" style="display:none">Ranks</button>
           <label class="sl-whole"><input type="checkbox"> whole pool</label>
           <span class="sl-status"></span>
         </div>
@@ -80,11 +83,13 @@
         <div class="sl-plot sl-timeline"></div>
         <div class="sl-plot sl-kv" style="display:none"></div>
         <div class="sl-plot sl-progress" style="display:none"></div>
-        <div class="sl-plot sl-latency" style="display:none"></div>`;
+        <div class="sl-plot sl-latency" style="display:none"></div>
+        <div class="sl-plot sl-ranks" style="display:none"></div>`;
       el.appendChild(root);
       this.root = root;
       this.plots = { timeline: root.querySelector(".sl-timeline"), kv: root.querySelector(".sl-kv"),
-        progress: root.querySelector(".sl-progress"), latency: root.querySelector(".sl-latency") };
+        progress: root.querySelector(".sl-progress"), latency: root.querySelector(".sl-latency"),
+        ranks: root.querySelector(".sl-ranks") };
       this.title = document.createElement("div");
       this.title.className = "sl-title";
       root.prepend(this.title);
@@ -94,12 +99,7 @@
       this.whole = root.querySelector(".sl-whole input");
       this.whole.onchange = () => this.draw();
       root.querySelectorAll("button[data-view]").forEach((b) => {
-        b.onclick = () => {
-          this.view = b.dataset.view;
-          root.querySelectorAll("button[data-view]").forEach((x) => x.classList.toggle("sl-on", x === b));
-          for (const [k, p] of Object.entries(this.plots)) p.style.display = k === this.view ? "" : "none";
-          this.draw();
-        };
+        b.onclick = () => { this.select(b.dataset.view); this.draw(); };
       });
       injectStyle();
     }
@@ -199,13 +199,19 @@
     draw() {
       if (!this.style || !window.Plotly) return;
       const axis = new Axis(this.rec, this.xmode);
+      this.choose();
       const gd = this.plots[this.view];
       this.drawnX = this.xmode;
       this.drawnPaused = this.paused;
-      this.caption.innerHTML = (this.captions || {})[this.view] || "";
+      this.caption.innerHTML = (this.captions || {})[this.aggregate && this.view === "timeline" ? "aggregate" : this.view] || "";
       this.whole.parentElement.style.display = this.view === "kv" ? "" : "none";
       let fig;
-      if (this.view === "timeline") {
+      if (this.view === "timeline" && this.aggregate) {
+        fig = aggregateFigure(this.rec, axis, this.style);
+        this.lod = "aggregate";
+      } else if (this.view === "ranks") {
+        fig = ranksFigure(this.rec, axis, this.style);
+      } else if (this.view === "timeline") {
         // a user's zoom (kept by uirevision) decides which steps are in view; switching the
         // x axis between steps and time starts a new revision, so the zoom resets with it
         const full = gd._fullLayout && gd._fullLayout.xaxis;
@@ -241,14 +247,37 @@
           this.zoomPartners(view, ev);
         });
       }
-      const legend = legendHtml(this.view, this.lod, this.style);
+      const legend = legendHtml(this.view, this.view === "timeline" ? this.lod : "", this.style);
       if (legend !== this.legendShown) { this.legend.innerHTML = legend; this.legendShown = legend; }
       const n = this.rec.steps.length;
       const last = n ? this.rec.steps.step[n - 1] : null;
       this.status.textContent = n
-        ? `${n} steps held (last #${last})` + (this.view === "timeline" ? ` · ${fig.nView} in view · ${this.lod === "segments" ? "per-request segments" : "per-step totals (zoom in for requests)"}` : "") + (this.static ? " · the whole recording" : this.paused ? " · paused" : "")
+        ? `${n} steps held (last #${last})` + (this.view === "timeline" && !this.aggregate ? ` · ${fig.nView} in view · ${this.lod === "segments" ? "per-request segments" : "per-step totals (zoom in for requests)"}` : "") + (this.static ? " · the whole recording" : this.paused ? " · paused" : "")
         : this.static ? "This recording has no steps." : "No engine steps recorded yet: submit a prompt.";
       Object.assign(this.root.dataset, { updates: this.updates, steps: n, lod: this.lod || "", last: last === null ? "" : last });
+    }
+
+    // An external engine's steps carry counts, not requests: its timeline is the aggregate
+    // figure and the per-request views go; a tensor-parallel engine's steps add the ranks view.
+    choose() {
+      const s = this.rec.steps, n = s.length;
+      this.aggregate = !!(n && s.agg[n - 1]);
+      const hasRanks = s.ranks.some((r) => r);
+      const shown = { ranks: hasRanks };
+      for (const v of PER_REQUEST) shown[v] = !this.aggregate;
+      this.root.querySelectorAll("button[data-view]").forEach((b) => {
+        if (b.dataset.view in shown) b.style.display = shown[b.dataset.view] ? "" : "none";
+      });
+      if (shown[this.view] === false) this.select("timeline");
+      const ranksButton = this.root.querySelector("button[data-view='ranks']");
+      const slow = hasRanks ? S.slowestRank(this.rec) : null;
+      ranksButton.textContent = slow === null ? "Ranks" : `Ranks (slowest: ${slow})`;
+    }
+
+    select(view) {
+      this.view = view;
+      this.root.querySelectorAll("button[data-view]").forEach((x) => x.classList.toggle("sl-on", x.dataset.view === view));
+      for (const [k, p] of Object.entries(this.plots)) p.style.display = k === view ? "" : "none";
     }
 
     // views of one link group (compare's A and B) zoom and pan together on the x axis
