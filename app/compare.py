@@ -20,12 +20,13 @@ from app.state import Message, Snapshot
 from instrumentation.fold import Summary, summarize
 
 REQUEST_TIMES = ("t_queued", "t_admitted", "t_first_token", "t_last_token", "t_finished")
-# (label, Summary field) in table order
+# (label, Summary field) in table order: the page headline's figures, over each whole recording
 METRICS: tuple[tuple[str, str], ...] = (
     ("TTFT p50 (s)", "ttft_p50_s"),
     ("TTFT p99 (s)", "ttft_p99_s"),
     ("ITL p50 (s)", "itl_p50_s"),
     ("ITL p99 (s)", "itl_p99_s"),
+    ("ITL p99.9 (s)", "itl_p999_s"),
     ("worst stall (s)", "worst_stall_s"),
     ("output tokens / s", "output_tok_s"),
     ("requests", "requests"),

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-POLICIES = ("prefill_first", "mixed")
+from instrumentation.protocol import POLICY_NAMES as POLICIES
+
 POLICY_LABELS = {"prefill_first": "prefill-first (chapter 10)", "mixed": "mixed (stall-free)"}
 BUDGET_STEPS = tuple(2**k for k in range(14))  # 1, 2, 4, ... 8192
 MAX_COPIES = 64

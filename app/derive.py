@@ -3,22 +3,25 @@ times and stalls. The charts' own view model is app/live/encode.py.
 
 Token times come from the steps (a `prefill` or `decode` item samples one token at the step's
 `t1`), not from `token` messages, so a reconnecting page that only has `hello.history` derives
-the same latencies as one that watched live.
+the same latencies as one that watched live. The headline's figures are the shared fold's
+`Summary` over the steps given (`instrumentation.fold.summarize_steps`): replay compare and the
+sweep show the same numbers for the same steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from instrumentation.fold import Stall, percentile
+from instrumentation.fold import Stall, Summary, summarize_steps
 from instrumentation.fold import stalls as fold_stalls
+from instrumentation.metrics import stalled_between
+from instrumentation.protocol import SAMPLING_KINDS
 
 Message = dict[str, Any]
-SAMPLING_KINDS = frozenset({"prefill", "decode"})
 
 
 @dataclass
@@ -80,17 +83,27 @@ def token_gaps(steps: Sequence[Message], track: Track) -> Gaps:
         t=t1[1:],
         step=num[1:],
         itl=np.diff(t1),
-        stalled=np.diff(num) > 1,
+        stalled=np.fromiter(
+            (stalled_between(int(a), int(b)) for a, b in zip(num, num[1:], strict=False)),
+            dtype=bool,
+            count=max(len(num) - 1, 0),
+        ),
     )
 
 
 @dataclass(frozen=True)
 class Headline:
+    """The metric row: the latency figures and throughput of `summary` (the shared fold's
+    Summary over the steps given), which `scope` names, and the engine's state at the last step."""
+
+    summary: Summary
+    scope: str
     tokens_per_s: float | None
     ttft_p50: float | None
     ttft_p99: float | None
     itl_p50: float | None
     itl_p99: float | None
+    itl_p999: float | None
     worst_stall: float | None
     worst_stall_uid: int | None
     kv_used: float | None
@@ -99,47 +112,41 @@ class Headline:
     waiting: int
 
 
-def _pct(values: Sequence[float] | np.ndarray, q: float) -> float | None:
-    return percentile([float(v) for v in values], q)
+def scope(summary: Summary, whole: bool | None = None) -> str:
+    """What a summary covers, in words: the whole recording (`whole`: the caller knows the steps
+    are all there is), the whole run (its steps start at the engine's step 0), or a window."""
+    if not summary.steps or summary.first_step is None:
+        return "no steps yet"
+    span = f"steps {summary.first_step:,}–{summary.last_step:,}"
+    if whole:
+        return f"the whole recording ({span})"
+    if whole is None and summary.first_step == 0:
+        return f"the whole run ({span})"
+    return f"the {summary.steps:,} steps in view ({span})"
 
 
 def headline(
-    steps: Sequence[Message], requests: Sequence[Message], rate_window_s: float = 10.0
+    steps: Sequence[Message], requests: Iterable[Message], whole: bool | None = None
 ) -> Headline:
-    """The numbers of the metric row, over the given steps and request records.
-
-    `worst_stall` is None when no request had a decode skipped.
-    """
-    ttfts = [
-        r["t_first_token"] - r["t_queued"]
-        for r in requests
-        if r.get("t_first_token") is not None and r.get("t_queued") is not None
-    ]
-    if not steps:
-        return Headline(None, _pct(ttfts, 50), _pct(ttfts, 99), *([None] * 6), 0, 0)
-    all_tracks = tracks(steps)
-    gaps = [token_gaps(steps, t) for t in all_tracks.values()]
-    itls = np.concatenate([g.itl for g in gaps]) if gaps else np.zeros(0)
-    by_uid = {int(r["uid"]): r for r in requests}
-    # A stall is a gap that skipped steps; a slow step that included the request is not one.
-    all_stalls = stalls(steps, all_tracks, by_uid)
-    worst = max(all_stalls, key=lambda s: s.seconds, default=None)
-    last = steps[-1]
-    horizon = last["t1"] - rate_window_s
-    recent = [s for s in steps if s["t1"] >= horizon]
-    span = last["t1"] - max(recent[0]["t0"], horizon)
-    sampled = sum(1 for s in recent for i in s["items"] if i["kind"] in SAMPLING_KINDS)
+    """The metric row over the given steps and request records; `whole` as for `scope`.
+    `worst_stall` is None when no request had a decode skipped between two of its tokens in
+    these steps."""
+    s = summarize_steps(steps, requests)
+    last = steps[-1] if steps else {}
     kv = last.get("kv") or {}
     total = kv.get("total") or 0
     queue = last.get("queue") or {}
     return Headline(
-        tokens_per_s=sampled / span if span > 0 else None,
-        ttft_p50=_pct(ttfts, 50),
-        ttft_p99=_pct(ttfts, 99),
-        itl_p50=_pct(itls, 50),
-        itl_p99=_pct(itls, 99),
-        worst_stall=worst.seconds if worst else None,
-        worst_stall_uid=worst.uid if worst else None,
+        summary=s,
+        scope=scope(s, whole),
+        tokens_per_s=s.output_tok_s,
+        ttft_p50=s.ttft_p50_s,
+        ttft_p99=s.ttft_p99_s,
+        itl_p50=s.itl_p50_s,
+        itl_p99=s.itl_p99_s,
+        itl_p999=s.itl_p999_s,
+        worst_stall=s.worst_stall_s,
+        worst_stall_uid=s.worst_stall_uid,
         kv_used=kv.get("used", 0) / total if total else None,
         kv_cached=kv.get("cached", 0) / total if total else None,
         running=int(queue.get("running", 0)),

@@ -112,22 +112,29 @@ def _memo_key(snap: Snapshot, *extra: object) -> tuple:
 # ---- metric row -------------------------------------------------------------------------------
 
 
-def metrics_row(snap: Snapshot) -> None:
-    h = headline(snap.steps, snap.requests)
+def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
+    """The headline: the shared fold's Summary over the steps in `snap` (app.derive.headline),
+    with a caption that says which steps those are (`whole`: they are the whole recording)."""
+    h = headline(snap.steps, snap.requests, whole)
     external = aggregate.any_aggregate(snap.steps)
     if external:  # counts only: the engine's own rates, and no per-request facts
         h = aggregate.headline(snap.steps, h)
     cols = st.columns(7)
     cols[0].metric("tokens / s", "–" if h.tokens_per_s is None else f"{h.tokens_per_s:.1f}",
-                   help="Generated tokens per second over the last 10 s of engine time.")  # fmt: skip
-    for col, name, p50, p99, what in (
-        (cols[1], "TTFT", h.ttft_p50, h.ttft_p99, "Time to first token: queued to first token."),
-        (cols[2], "ITL", h.itl_p50, h.itl_p99, "Inter-token latency of the requests in view."),
-    ):
+                   help="Generated tokens per second over the steps the caption names.")  # fmt: skip
+    itl_tail = None if h.itl_p99 is None else f"p99 {_seconds(h.itl_p99)}"
+    if itl_tail is not None and h.itl_p999 is not None:
+        itl_tail += f" · p99.9 {_seconds(h.itl_p999)}"
+    ttft_tail = None if h.ttft_p99 is None else f"p99 {_seconds(h.ttft_p99)}"
+    for col, name, p50, tail, what in (
+        (cols[1], "TTFT", h.ttft_p50, ttft_tail, "Time to first token: queued to first token."),
+        (cols[2], "ITL", h.itl_p50, itl_tail, "Inter-token latency: gaps between a request's "
+         "tokens, every request pooled."),
+    ):  # fmt: skip
         col.metric(
             f"{name} p50",
             _seconds(p50),
-            delta=None if p99 is None else f"p99 {_seconds(p99)}",
+            delta=tail,
             delta_color="off",
             delta_arrow="off",
             help=what,
@@ -139,7 +146,8 @@ def metrics_row(snap: Snapshot) -> None:
         delta=None if h.worst_stall_uid is None else f"request {h.worst_stall_uid}",
         delta_color="red",
         delta_arrow="off",
-        help="The longest wait of a running request that was left out of steps.",
+        help="The longest stall: a gap between two of a request's tokens during which at "
+        "least one step ran without it (docs/protocol.md).",
     )
     kv = "–" if h.kv_used is None else f"{h.kv_used:.1%}"
     cached = None if h.kv_cached is None else f"+ {h.kv_cached:.1%} cached"
@@ -160,6 +168,10 @@ def metrics_row(snap: Snapshot) -> None:
         delta_color="off",
         delta_arrow="off",
     )
+    if external:
+        st.caption(f"Over {h.scope}; tokens/s and KV as the engine logged them.")
+    else:
+        st.caption(f"Tokens/s, TTFT, ITL and worst stall over {h.scope}.")
 
 
 def _last_step_note(last: Message) -> str:

@@ -29,7 +29,10 @@ from engine.config import check_policy
 from engine.llm import LLM
 from engine.workload import AZURE_CONV, Arrival, Scaling, describe, poisson, read_trace, replay
 from instrumentation.errors import EngineError
-from instrumentation.metrics import percentile
+from instrumentation.fold import Fold
+from instrumentation.metrics import gaps, percentile
+from instrumentation.protocol import POLICY_NAMES
+from instrumentation.records import EngineEvent
 from instrumentation.sampling import SamplingParams
 
 TEXT = (
@@ -139,54 +142,64 @@ class StallResult:
     itl_p50: float
     itl_p99: float
     itl_max: float
+    worst_stall: float | None  # the chats' longest stall (instrumentation.metrics); None: none
     out_tok_s: float
     steps: int
 
 
 def stall_run(llm: LLM, policy: str, budget: int, args: argparse.Namespace) -> StallResult:
+    """The chats' figures as the shared fold (the page, the sweep, /metrics) computes them."""
     llm.set_config(max_extend_tokens=budget, policy=policy)
-    chats = [
-        llm.submit(
-            f"Chat {i}: tell me about the sea and the boats.",
-            SamplingParams(max_tokens=args.chat_tokens, ignore_eos=True),
-        )
-        for i in range(args.num_chats)
-    ]
-    finished: dict[int, dict[str, Any]] = {}
-    token_times: dict[int, list[float]] = {u: [] for u in chats}
+    fold = Fold(max_steps=None, max_ended=2**62, max_ended_bytes=2**62)
 
-    def hook(ev: Any) -> None:
-        if ev.__class__.__name__ == "TokenEvent" and ev.uid in token_times:
-            token_times[ev.uid].append(ev.t)
-        if ev.__class__.__name__ == "RequestEvent" and ev.event == "finished":
-            finished[ev.uid] = ev.fields
+    def hook(ev: EngineEvent) -> None:
+        fold.apply(ev.to_dict())
 
     llm.add_event_hook(hook)
-    steps = 0
-    # the chats are decoding when the long prompt arrives
-    while min(len(v) for v in token_times.values()) < 4:
-        llm.step()
-        steps += 1
-    long_prompt = _prompt_of(llm, args.long_tokens, budget)
-    t_start = llm.now()
-    long_uid = llm.submit(long_prompt, SamplingParams(max_tokens=16, ignore_eos=True))
-    while llm.has_work():
-        llm.step()
-        steps += 1
-    wall = llm.now() - t_start
-    llm._event_hooks.remove(hook)
-    itl = [b - a for ts in token_times.values() for a, b in zip(ts, ts[1:], strict=False)]
-    out_tokens = sum(len(ts) for ts in token_times.values()) + 16
+    try:
+        chats = [
+            llm.submit(
+                f"Chat {i}: tell me about the sea and the boats.",
+                SamplingParams(max_tokens=args.chat_tokens, ignore_eos=True),
+            )
+            for i in range(args.num_chats)
+        ]
+        steps = 0
+        # the chats are decoding when the long prompt arrives
+        while min(_output_len(fold, u) for u in chats) < 4:
+            llm.step()
+            steps += 1
+        long_prompt = _prompt_of(llm, args.long_tokens, budget)
+        t_start = llm.now()
+        long_uid = llm.submit(long_prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+        while llm.has_work():
+            llm.step()
+            steps += 1
+        wall = llm.now() - t_start
+    finally:
+        llm.remove_event_hook(hook)
+    recs = [fold.get(u) for u in chats]
+    itl = [g for rec in recs if rec is not None for g in gaps(rec.token_times)]
+    stalls = [r.max_stall for r in recs if r is not None and r.max_stall is not None]
+    out_tokens = sum(len(r.token_times) for r in recs if r is not None) + 16
+    long = fold.get(long_uid)
+    long_metrics = long.metrics() if long is not None else None
     return StallResult(
         policy,
         budget,
-        finished[long_uid]["time_to_first_token_seconds"],
+        (long_metrics or {}).get("time_to_first_token_seconds") or 0.0,
         percentile(itl, 50) or 0.0,
         percentile(itl, 99) or 0.0,
         max(itl),
+        max(stalls, default=None),
         out_tokens / wall,
         steps,
     )
+
+
+def _output_len(fold: Fold, uid: int) -> int:
+    rec = fold.get(uid)
+    return 0 if rec is None else rec.output_len
 
 
 def stall(args: argparse.Namespace) -> None:
@@ -198,7 +211,7 @@ def stall(args: argparse.Namespace) -> None:
         progress=False,
     )
     llm.generate(["warm up"], SamplingParams(max_tokens=2, ignore_eos=True))
-    results = [stall_run(llm, p, b, args) for b in args.budgets for p in ("prefill_first", "mixed")]
+    results = [stall_run(llm, p, b, args) for b in args.budgets for p in POLICY_NAMES]
     llm.check_integrity()
     print(
         f"\n{args.num_chats} chats decoding ({args.chat_tokens} tokens each) when a "
@@ -206,25 +219,15 @@ def stall(args: argparse.Namespace) -> None:
         f"{llm.info.dtype}\n"
     )
     rows = [
-        [r.policy, r.budget, r.long_ttft, r.itl_p50, r.itl_p99, r.itl_max, r.out_tok_s, r.steps]
+        [r.policy, r.budget, r.long_ttft, r.itl_p50, r.itl_p99, r.itl_max,
+         "none" if r.worst_stall is None else r.worst_stall, r.out_tok_s, r.steps]
         for r in results
-    ]
-    print(
-        _table(
-            [
-                "policy",
-                "budget",
-                "long TTFT s",
-                "chat ITL p50 s",
-                "p99 s",
-                "max s",
-                "out tok/s",
-                "steps",
-            ],
-            rows,
-        )
-    )
-    print("\nchats' max ITL, prefill_first / mixed:")
+    ]  # fmt: skip
+    headers = ["policy", "budget", "long TTFT s", "chat ITL p50 s", "p99 s", "max s",
+               "worst stall s", "out tok/s", "steps"]  # fmt: skip
+    print(_table(headers, rows))
+    print("\nchats' max ITL, prefill_first / mixed (a stall is a gap in which steps ran without "
+          "the chat: mixed has none):")  # fmt: skip
     for b in args.budgets:
         pf = next(r for r in results if r.budget == b and r.policy == "prefill_first")
         mx = next(r for r in results if r.budget == b and r.policy == "mixed")
@@ -365,7 +368,7 @@ def sweep(args: argparse.Namespace) -> None:
             try:
                 wall = run_arrivals(llm, arrivals, prompts)
             finally:
-                llm._event_hooks.remove(trace)
+                llm.remove_event_hook(trace)
                 trace.close()
             row = summary_row(policy, budget, read_jsonl(path))
             rows.append(row)

@@ -3,7 +3,7 @@ runs every step over its shard of the model.
 
 `Leader` is rank 0's side. It spawns one worker process per other rank (torch.multiprocessing,
 spawn), joins them in a torch.distributed process group (NCCL on CUDA, gloo on CPU; rank r uses
-cuda:r), and before every step broadcasts the step's `StepPlan` (engine.runner): a few lists of
+cuda:r), and before every step broadcasts the step's `StepPlan` (engine.plan): a few lists of
 ints over a separate gloo group, so that waiting for it never touches a GPU. A worker applies
 the plan's new page-table entries (engine.kvcache.table_sync) to its copy of the table and runs
 the same `execute` over its heads; the collectives inside the model keep the ranks in step. Only rank 0 samples; with
@@ -37,9 +37,14 @@ from typing import Any
 
 import torch
 
+from engine.attention.registry import create_backend
+from engine.kvcache.pool import KVPool
+from engine.kvcache.table import PageTable
 from engine.models.config import ModelConfig
+from engine.models.loader import build_model, read_config
 from engine.models.parallel import TPRank, head_shard
-from engine.runner import RankTimes, StepPlan
+from engine.plan import RankClock, RankTimes, StepPlan
+from engine.runner import ModelRunner
 from instrumentation.errors import EngineError, InvalidRequest
 from instrumentation.records import RankTiming
 
@@ -350,12 +355,6 @@ def _watch_parent(parent: int) -> None:
 
 def _serve(rank: int, spec: WorkerSpec, port: int, times: torch.Tensor) -> None:
     import torch.distributed as dist
-
-    from engine.attention.registry import create_backend
-    from engine.kvcache.pool import KVPool
-    from engine.kvcache.table import PageTable
-    from engine.models.loader import build_model, read_config
-    from engine.runner import ModelRunner, RankClock
 
     torch.set_num_threads(spec.threads)
     cuda = spec.device == "cuda"

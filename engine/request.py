@@ -4,8 +4,9 @@ only partly prefilled (`ChunkedReq`), with the per-request facts they share (`Re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from instrumentation.metrics import request_metrics
 from instrumentation.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class RequestState:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)  # the step number of each token
     t_admitted: float | None = None
     cached_len: int = 0  # tokens served by the prefix cache at admission
     finish_reason: FinishReason | None = None
@@ -39,6 +41,11 @@ class RequestState:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    def metrics(self) -> dict[str, Any]:
+        """Its figures as instrumentation.metrics defines them for every view (the stall from
+        its tokens' step numbers)."""
+        return request_metrics(self.t_queued, self.t_admitted, self.token_times, self.token_steps)
 
 
 @dataclass(eq=False)
@@ -83,9 +90,11 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.state.prompt_ids + self.state.output_ids
 
-    def append_token(self, token_id: int, t: float) -> None:
+    def append_token(self, token_id: int, t: float, step: int) -> None:
+        """A token sampled by step number `step`, whose tokens were read at `t`."""
         self.state.output_ids.append(token_id)
         self.state.token_times.append(t)
+        self.state.token_steps.append(step)
 
 
 class ChunkedReq(Req):
@@ -95,7 +104,7 @@ class ChunkedReq(Req):
     def can_decode(self) -> bool:
         return False
 
-    def append_token(self, token_id: int, t: float) -> None:
+    def append_token(self, token_id: int, t: float, step: int) -> None:
         raise RuntimeError(
             "a ChunkedReq is never sampled: its logits belong to a mid-prompt position"
         )

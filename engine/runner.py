@@ -10,7 +10,7 @@ asked, so the engine can schedule and launch the next step while this one runs (
 next step's decode rows then take their input token straight from this step's sampled tokens on
 the device (`prev`), without a round trip through the host.
 
-Every step is first turned into a `StepPlan`: plain lists of ints that say what to compute. Rank 0
+Every step is first turned into a `StepPlan` (engine.plan): plain lists of ints that say what to compute. Rank 0
 builds it from the batch; under tensor parallelism (engine.distributed) it broadcasts the plan
 and every rank runs the same `execute` on it over its own shard. Only rank 0 samples.
 """
@@ -18,24 +18,20 @@ and every rank runs the same `execute` on it over its own shard. Only rank 0 sam
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kvcache.pool import KVPool
 from engine.kvcache.table import PageTable
-from engine.kvcache.table_sync import Span, TableSync, apply_updates
+from engine.kvcache.table_sync import TableSync, apply_updates
 from engine.models.llama import CausalLM
+from engine.plan import RankClock, Ranks, StepPlan, StepTiming
 from engine.request import Req, RequestState
 from engine.sampling import sample_tokens
 from engine.scheduler.batch import Batch
 from instrumentation.records import RankTiming
-
-if TYPE_CHECKING:
-    from engine.distributed import Leader
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +45,6 @@ def token_ids(state: RequestState, start: int, end: int) -> list[int]:
     if start >= n:
         return out[start - n : end - n]
     return prompt[start:] + out[: end - n]
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    """One step as every rank runs it: request i computes tokens [starts[i], ends[i]) in page
-    table row rows[i]. Plain ints only, since rank 0 broadcasts it to the other ranks."""
-
-    seq: int  # launch number, which the ranks' timings are filed under
-    rows: list[int]
-    starts: list[int]
-    ends: list[int]
-    ids: list[int]  # token ids of every request's [start, end), flat; 0 where patched
-    patch_dst: list[int]  # positions in `ids` whose token the previous step is sampling ...
-    patch_src: list[int]  # ... and that token's row in the previous step's sampled tokens
-    sample: list[int]  # indices of the requests that sample (all but prompt chunks)
-    decode: bool  # a pure decode step: a CUDA graph may run it
-    # page-table entries the other ranks have not seen (engine.kvcache.table_sync)
-    spans: list[Span] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -107,62 +84,11 @@ class Launched:
         return None if self.timing is None else self.timing.read()
 
 
-class RankClock:
-    """Times one rank's part of each step: wall time on CPU, where work runs as it is called
-    (and the collectives' share, `comm_s`); CUDA events on a GPU, read once the step ran."""
-
-    def __init__(self, model: CausalLM, device: torch.device) -> None:
-        self.tp, self.cuda = model.tp, device.type == "cuda"
-        self._t0 = 0.0
-        self._start: torch.cuda.Event | None = None
-
-    def start(self) -> None:
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self.tp.comm_s = 0.0
-            self._t0 = time.perf_counter()
-
-    def stop(self) -> RankTimes:
-        if not self.cuda:
-            return RankTimes(time.perf_counter() - self._t0, self.tp.comm_s)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        return RankTimes(None, None, self._start, end)
-
-
-@dataclass(frozen=True, slots=True)
-class RankTimes:
-    """One rank's step: seconds, or the CUDA events that will give them."""
-
-    forward_s: float | None
-    comm_s: float | None
-    start: torch.cuda.Event | None = None
-    end: torch.cuda.Event | None = None
-
-    def seconds(self) -> tuple[float | None, float | None]:
-        """(forward_s, comm_s); waits for the end event on CUDA."""
-        if self.start is None or self.end is None:
-            return self.forward_s, self.comm_s
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1000, None
-
-
-@dataclass(frozen=True, slots=True)
-class StepTiming:
-    """Rank 0's times of a step, and where the other ranks' are filed (engine.distributed)."""
-
-    seq: int
-    own: RankTimes
-    leader: Leader
-
-    def read(self) -> tuple[RankTiming, ...]:
-        forward_s, comm_s = self.own.seconds()
-        return (RankTiming(0, forward_s, comm_s), *self.leader.worker_times(self.seq))
-
-
 class ModelRunner:
+    # Prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs
+    # (engine.piecewise_graph) where decode graphs are on; 0 runs them eagerly, as before.
+    piecewise_max_tokens = 4096
+
     def __init__(
         self,
         model: CausalLM,
@@ -173,7 +99,7 @@ class ModelRunner:
         cuda_graph: bool = False,
         pad_page: int | None = None,
         max_graph_batch: int = 256,
-        leader: Leader | None = None,
+        leader: Ranks | None = None,
     ) -> None:
         """`cuda_graph` asks for decode graphs; they need CUDA, a backend that can be captured
         and `pad_page`, a pool page outside the allocator's range for the padding rows.
@@ -197,6 +123,15 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     model, backend, table, pad_page, pool.page_size, max_batch, device
                 )
+        self.pieces = None
+        if self.graphs is not None and self.piecewise_max_tokens > 0 and model.tp.size == 1:
+            from engine.piecewise_graph import PiecewiseGraphs
+
+            assert pad_page is not None
+            pad_slot = pad_page * pool.page_size
+            self.pieces = PiecewiseGraphs(
+                model, backend, pad_slot, self.piecewise_max_tokens, device
+            )
 
     # -- rank 0: from a batch to a plan -----------------------------------------------------
     def input_ids(
@@ -315,6 +250,8 @@ class ModelRunner:
         if the plan patches some input ids from them."""
         if self.graphs is not None and plan.decode and self.graphs.fits(len(plan.rows)):
             return self._replay_decode(plan, prev)
+        if self.pieces is not None and self.pieces.fits(len(plan.ids)):
+            return self._replay_pieces(plan, prev)
         return self._run_eager(plan, prev)
 
     def _replay_decode(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
@@ -329,6 +266,40 @@ class ModelRunner:
             fill=lambda io: self.patch(io, plan.patch_dst, plan.patch_src, prev),
         )
 
+    def _replay_pieces(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
+        assert self.pieces is not None
+        positions: list[int] = []
+        rows: list[int] = []
+        for row, start, end in zip(plan.rows, plan.starts, plan.ends, strict=True):
+            positions += range(start, end)
+            rows += [row] * (end - start)
+        slots = self.table.slots[torch.tensor(rows), torch.tensor(positions)].tolist()
+
+        def prepare(out_loc: torch.Tensor) -> object:
+            layout = BatchLayout(plan.rows, plan.starts, plan.ends, out_loc, self.table)
+            return self.backend.prepare(layout)
+
+        hidden = self.pieces.run(
+            plan.ids,
+            positions,
+            slots,
+            prepare,
+            fill=lambda io: self.patch(io, plan.patch_dst, plan.patch_src, prev),
+        )
+        return self._logits(plan, hidden)
+
+    def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of the plan's sampling rows (each one's last token) of `hidden`."""
+        if not plan.sample:
+            return None
+        ends = [0]
+        for s, e in zip(plan.starts, plan.ends, strict=True):
+            ends.append(ends[-1] + e - s)
+        last = [ends[i + 1] - 1 for i in plan.sample]
+        rows = torch.tensor(last).to(self.device, non_blocking=True)  # no wait for the device
+        logits = self.model.logits(hidden[rows])
+        return None if logits is None else logits.float()
+
     def _run_eager(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
         layout, positions = self.layout(plan)
         meta = self.backend.prepare(layout)
@@ -336,10 +307,4 @@ class ModelRunner:
         self.patch(input_ids, plan.patch_dst, plan.patch_src, prev)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, pos, self.backend, meta)
-        if not plan.sample:
-            return None
-        qo = layout.qo_indptr
-        last = [qo[i + 1] - 1 for i in plan.sample]
-        rows = torch.tensor(last).to(self.device, non_blocking=True)  # no wait for the device
-        logits = self.model.logits(hidden[rows])
-        return None if logits is None else logits.float()
+        return self._logits(plan, hidden)

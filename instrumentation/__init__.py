@@ -1,8 +1,9 @@
-"""Instrumentation: the protocol's messages, a bounded recorder, the WebSocket publisher, traces.
+"""Instrumentation: the protocol's messages, its one fold and metrics, the publisher, traces.
 
-Everything here speaks PROTOCOL.md messages (plain dicts) and imports neither torch nor the
+Everything here speaks docs/protocol.md messages (plain dicts) and imports neither torch nor the
 engine's model code, so a dashboard or notebook can reuse it. Import the submodules directly.
 """
 
 PROTOCOL_VERSION = 1
-PROTOCOL_MINOR = 1  # v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged
+PROTOCOL_MINOR = 2  # v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged;
+# v1.2: `max_stall_seconds` is the protocol's stall everywhere, `max_itl_seconds` the longest gap

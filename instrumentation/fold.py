@@ -1,17 +1,24 @@
 """The one fold of the protocol's message stream into steps and requests.
 
-Everything that reads the stream folds it here: the server's recorder (what a late client's
-`hello` carries), the dashboard's store, the trace export, the sweep's summary and the
-Prometheus metrics. So they agree on what a request's TTFT, inter-token latency and worst stall
-are. Pure Python, no torch: the dashboard imports it.
+Everything that reads the stream folds it here: the server's history (what a late client's
+`hello` carries), the dashboard's store, the trace export, the sweep's summary and the stall
+benchmark (`/metrics` keeps only counters, computed with the same instrumentation.metrics). So
+they agree on what a request's TTFT, inter-token latency and worst stall are. Pure Python, no
+torch: the dashboard imports it.
 
-Definitions (docs/protocol.md, "Metrics"):
-- a request's token times are the `t` of its `token` messages (the producing step's `t1`);
+Definitions (docs/protocol.md, "Metrics"; every figure is computed by instrumentation.metrics):
+- a request's token times are the `t` of its `token` messages (the producing step's `t1`), and
+  its token steps the numbers of the steps that sampled them (a step's tokens follow its `step`
+  message);
 - ITL is the gap between consecutive tokens of one request; TTFT is first token minus queued;
 - a *stall* is a gap between two tokens of a request during which at least one step ran without
   it (decode skipped); a slow step that included the request is not a stall;
 - output tokens per second: tokens sampled over the span from the first step's `t0` to the last
   step's `t1`.
+
+`Summary` is the headline: `Fold.summary()` for everything folded, `summarize(messages)` for a
+whole recording, `summarize_steps(steps, requests)` for a window of steps (what a page has in
+view), all through one function, so each says the same thing of the same steps.
 
 The fold also checks the v1.1 delivery facts: `seq` grows by one per broadcast (a jump is a
 `Gap`: messages were lost), and `hello.engine.instance` names the engine (another instance is a
@@ -23,9 +30,15 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from instrumentation.metrics import percentile, request_metrics
+from instrumentation.metrics import gaps, percentile, request_metrics, stalled_between
+from instrumentation.protocol import (
+    BROADCAST_TYPES,
+    ENDED_STATES,
+    SAMPLING_KINDS,
+    RequestState,
+)
 
 __all__ = [
     "ENDED_STATES",
@@ -38,16 +51,13 @@ __all__ = [
     "request_metrics",
     "stalls",
     "summarize",
+    "summarize_steps",
 ]
 
 Message = dict[str, Any]
-RequestState = Literal["waiting", "running", "finished", "aborted", "rejected"]
-ENDED_STATES: frozenset[str] = frozenset(("finished", "aborted", "rejected"))
-SAMPLING_KINDS: frozenset[str] = frozenset(("prefill", "decode"))
-BROADCAST_TYPES: frozenset[str] = frozenset(("step", "token", "request", "config"))
 # a rough size of what one ended request keeps, for the byte bound of the ended-request memory
 _RECORD_BYTES = 600
-_TOKEN_BYTES = 40  # a float in a list, and its share of the text
+_TOKEN_BYTES = 64  # a float and an int in lists, and its share of the text
 
 
 @dataclass(slots=True)
@@ -69,12 +79,9 @@ class RequestRecord:
     message: str | None = None
     source: str | None = None
     token_times: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)  # the step number of each token
     pieces: list[str] = field(default_factory=list)
     final_text: str | None = None
-    # the longest stall (see the module doc) and the step number of its last token so far
-    max_stall: float | None = None
-    last_token_step: int | None = None
-    last_token_t1: float | None = None
     # metrics as a hello reported them, for a record loaded without its token times
     reported_metrics: dict[str, Any] | None = None
     # computed once when the request ended: its figures never change, so `hello` never
@@ -90,15 +97,21 @@ class RequestRecord:
         return self.state in ENDED_STATES
 
     def metrics(self) -> dict[str, Any] | None:
+        """instrumentation.metrics' figures; as reported (`hello`) where its token times are
+        not all known here."""
         if self.cached_metrics is not None:
             return self.cached_metrics
         if len(self.token_times) < self.output_len:  # loaded from a hello: times not known
             return self.reported_metrics
         if self.t_queued is None or not self.token_times:
             return None
-        m = request_metrics(self.t_queued, self.t_admitted, self.token_times)
-        m["max_stall_seconds"] = self.max_stall
-        return m
+        return request_metrics(self.t_queued, self.t_admitted, self.token_times, self.token_steps)
+
+    @property
+    def max_stall(self) -> float | None:
+        """The longest stall (instrumentation.metrics.max_stall), None if none (or unknown)."""
+        m = self.metrics()
+        return None if m is None else m.get("max_stall_seconds")
 
     def approx_bytes(self) -> int:
         return _RECORD_BYTES + _TOKEN_BYTES * len(self.token_times) + len(self.text)
@@ -142,7 +155,9 @@ class Gap:
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    """Headline figures of a run (the sweep's summary row, the page's metric row)."""
+    """The headline figures of a run or of a window of its steps: the page's metric row, replay
+    compare's table, the sweep's summary row. `first_step` .. `last_step` (step numbers) and
+    `steps` say which steps it covers; its requests are those with a token in them."""
 
     requests: int
     finished: int
@@ -155,9 +170,13 @@ class Summary:
     ttft_p99_s: float | None
     itl_p50_s: float | None
     itl_p99_s: float | None
+    itl_p999_s: float | None
     worst_stall_s: float | None
     worst_stall_uid: int | None
     output_tok_s: float | None
+    steps: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
 
 
 class Fold:
@@ -194,6 +213,8 @@ class Fold:
         self.output_tokens = 0
         self._first_t0: float | None = None
         self._last_t1: float | None = None
+        self._first_step: int | None = None
+        self._last_step: int | None = None  # the step the next `token` messages belong to
 
     # -- folding -------------------------------------------------------------------------
     def apply(self, msg: Message) -> Gap | None:
@@ -246,6 +267,7 @@ class Fold:
         self.num_steps = len(self.steps)
         self.prompt_tokens = self.output_tokens = 0
         self._first_t0 = self._last_t1 = None
+        self._first_step = self._last_step = None
         for step in steps:
             self._count(step)
         for row in history.get("requests") or []:
@@ -262,45 +284,28 @@ class Fold:
             self._first_t0 = float(t0)
         if isinstance(t1, int | float):
             self._last_t1 = float(t1)
-        for item in step.get("items") or ():
-            if item.get("wasted"):
-                continue
-            kind = item.get("kind")
-            if kind == "decode":
-                self.output_tokens += 1
-            else:
-                self.prompt_tokens += int(item["end"]) - int(item["start"])
-                if kind == "prefill":
-                    self.output_tokens += 1
-        # aggregate steps (watched engines) carry counts instead of items
-        if not step.get("items"):
-            self.prompt_tokens += int(step.get("prompt_tokens") or 0)
-            self.output_tokens += int(step.get("decode_requests") or 0)
+        number = step.get("step")
+        if isinstance(number, int):
+            if self._first_step is None:
+                self._first_step = number
+            self._last_step = number
+        prompt, output = step_tokens(step)
+        self.prompt_tokens += prompt
+        self.output_tokens += output
 
     def _on_step(self, msg: Message) -> None:
         self.steps.append(msg)
         self.num_steps += 1
         self._count(msg)
-        number, t1 = msg.get("step"), msg.get("t1")
-        if not isinstance(number, int) or not isinstance(t1, int | float):
-            return
-        for item in msg.get("items") or ():
-            if item.get("kind") not in SAMPLING_KINDS or item.get("wasted"):
-                continue
-            rec = self._live.get(item["uid"])
-            if rec is None:
-                continue
-            if rec.last_token_step is not None and number - rec.last_token_step > 1:
-                gap = float(t1) - float(rec.last_token_t1 or 0.0)
-                if rec.max_stall is None or gap > rec.max_stall:
-                    rec.max_stall = gap
-            rec.last_token_step, rec.last_token_t1 = number, float(t1)
 
     def _on_token(self, msg: Message) -> None:
         rec = self._live.get(msg["uid"])
         if rec is None:  # its queued event predates what we saw; nothing to attach to
             return
         rec.token_times.append(msg["t"])
+        # a step's tokens follow its `step` message (docs/protocol.md), so this is its step;
+        # -1 only in a stream that is not the protocol's (tokens before any step)
+        rec.token_steps.append(-1 if self._last_step is None else self._last_step)
         rec.t_last_token = msg["t"]
         rec.pieces.append(msg.get("text", ""))
         rec.output_len += 1
@@ -373,35 +378,15 @@ class Fold:
 
     def summary(self) -> Summary:
         """Headline figures over the remembered requests and the steps since the start."""
-        recs = self.requests()
-        ttfts: list[float] = []
-        itls: list[float] = []
-        worst: tuple[float, int] | None = None
-        for rec in recs:
-            if rec.t_first_token is not None and rec.t_queued is not None:
-                ttfts.append(rec.t_first_token - rec.t_queued)
-            times = rec.token_times
-            itls.extend(b - a for a, b in zip(times, times[1:], strict=False))
-            if rec.max_stall is not None and (worst is None or rec.max_stall > worst[0]):
-                worst = (rec.max_stall, rec.uid)
         span = None
         if self._first_t0 is not None and self._last_t1 is not None:
             span = self._last_t1 - self._first_t0
-        return Summary(
-            requests=len(recs),
-            finished=sum(r.state == "finished" for r in recs),
-            aborted=sum(r.state == "aborted" for r in recs),
-            rejected=sum(r.state == "rejected" for r in recs),
+        return _summary(
+            self.requests(),
             prompt_tokens=self.prompt_tokens,
             output_tokens=self.output_tokens,
-            duration_s=span,
-            ttft_p50_s=percentile(ttfts, 50),
-            ttft_p99_s=percentile(ttfts, 99),
-            itl_p50_s=percentile(itls, 50),
-            itl_p99_s=percentile(itls, 99),
-            worst_stall_s=worst[0] if worst else None,
-            worst_stall_uid=worst[1] if worst else None,
-            output_tok_s=self.output_tokens / span if span else None,
+            span=span,
+            steps=(self.num_steps, self._first_step, self._last_step),
         )
 
 
@@ -411,6 +396,121 @@ def summarize(messages: Iterable[Message]) -> Summary:
     for msg in messages:
         fold.apply(msg)
     return fold.summary()
+
+
+def summarize_steps(steps: Sequence[Message], requests: Iterable[Message]) -> Summary:
+    """The same headline over a window of steps (what a page has in view), from the steps and
+    the requests' records (`RequestRecord.to_dict`, metrics not needed). Its requests are those
+    alive in the window (queued before its end, not ended before its start); a request's tokens
+    are its sampling items in the window, and its TTFT counts if its first token is among them.
+    Over every step of a recording it equals `summarize` of the recording."""
+    recs: dict[int, RequestRecord] = {}
+    rows = {int(r["uid"]): r for r in requests}
+    if steps:
+        lo, hi = float(steps[0]["t0"]), float(steps[-1]["t1"])
+        for uid, row in rows.items():
+            queued, ended = row.get("t_queued"), row.get("t_finished")
+            if (queued is None or queued <= hi) and (ended is None or ended >= lo):
+                recs[uid] = _windowed(uid, row)
+    prompt_tokens = output_tokens = 0
+    for step in steps:
+        prompt, output = step_tokens(step)
+        prompt_tokens += prompt
+        output_tokens += output
+        for item in step.get("items") or ():
+            if item.get("kind") not in SAMPLING_KINDS or item.get("wasted"):
+                continue
+            uid = int(item["uid"])
+            rec = recs.get(uid)
+            if rec is None:
+                rec = recs[uid] = _windowed(uid, rows.get(uid))
+            rec.token_times.append(float(step["t1"]))
+            rec.token_steps.append(int(step["step"]))
+    for rec in recs.values():
+        rec.output_len = len(rec.token_times)  # metrics from the window's tokens, not reported
+        first = rec.t_first_token
+        if first is None or not rec.token_times or first < rec.token_times[0]:
+            rec.t_first_token = None  # its first token is not in the window
+    span = float(steps[-1]["t1"]) - float(steps[0]["t0"]) if steps else None
+    numbers = (int(steps[0]["step"]), int(steps[-1]["step"])) if steps else (None, None)
+    return _summary(
+        list(recs.values()),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        span=span,
+        steps=(len(steps), *numbers),
+    )
+
+
+def _windowed(uid: int, row: Message | None) -> RequestRecord:
+    """A request's record for a window: its state and times, no tokens yet."""
+    rec = RequestRecord(uid)
+    if row is not None:
+        rec.state = row.get("state", "waiting")
+        rec.t_queued, rec.t_admitted = row.get("t_queued"), row.get("t_admitted")
+        rec.t_first_token = row.get("t_first_token")
+    return rec
+
+
+def _summary(
+    recs: Sequence[RequestRecord],
+    *,
+    prompt_tokens: int,
+    output_tokens: int,
+    span: float | None,
+    steps: tuple[int, int | None, int | None],
+) -> Summary:
+    """The one computation of the headline, whatever the records came from."""
+    ttfts: list[float] = []
+    itls: list[float] = []
+    worst: tuple[float, int] | None = None
+    for rec in recs:
+        if rec.t_first_token is not None and rec.t_queued is not None:
+            ttfts.append(rec.t_first_token - rec.t_queued)
+        itls.extend(gaps(rec.token_times))
+        stall = rec.max_stall
+        if stall is not None and (worst is None or stall > worst[0]):
+            worst = (stall, rec.uid)
+    return Summary(
+        requests=len(recs),
+        finished=sum(r.state == "finished" for r in recs),
+        aborted=sum(r.state == "aborted" for r in recs),
+        rejected=sum(r.state == "rejected" for r in recs),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        duration_s=span,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(itls, 50),
+        itl_p99_s=percentile(itls, 99),
+        itl_p999_s=percentile(itls, 99.9),
+        worst_stall_s=worst[0] if worst else None,
+        worst_stall_uid=worst[1] if worst else None,
+        output_tok_s=output_tokens / span if span else None,
+        steps=steps[0],
+        first_step=steps[1],
+        last_step=steps[2],
+    )
+
+
+def step_tokens(step: Message) -> tuple[int, int]:
+    """(prompt tokens, sampled tokens) a step computed; wasted work not counted. Aggregate
+    steps (watched engines) carry the counts instead of items."""
+    items = step.get("items")
+    if not items:
+        return int(step.get("prompt_tokens") or 0), int(step.get("decode_requests") or 0)
+    prompt = output = 0
+    for item in items:
+        if item.get("wasted"):
+            continue
+        kind = item.get("kind")
+        if kind == "decode":
+            output += 1
+        else:
+            prompt += int(item["end"]) - int(item["start"])
+            if kind == "prefill":
+                output += 1
+    return prompt, output
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,7 +552,7 @@ def stalls(
     out: list[Stall] = []
     for uid, toks in sampled.items():
         for a, b in zip(toks, toks[1:], strict=False):
-            if numbers[b] - numbers[a] > 1:
+            if stalled_between(numbers[a], numbers[b]):
                 out.append(Stall(uid, a + 1, b - 1, steps[b]["t1"] - steps[a]["t1"], False))
         if toks and toks[-1] < last and uid in running:
             secs = steps[last]["t1"] - steps[toks[-1]]["t1"]
@@ -472,8 +572,6 @@ def _record_from_dict(row: dict[str, Any]) -> RequestRecord:
     rec.reported_metrics = metrics
     if rec.ended:
         rec.cached_metrics = metrics
-    if metrics:
-        rec.max_stall = metrics.get("max_stall_seconds")
     if rec.ended:
         rec.final_text = row.get("text")
     else:  # still generating: later token texts append to what was shown so far

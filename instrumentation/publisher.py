@@ -2,7 +2,7 @@
 
 The engine thread hands over whole batches of messages with `publish()`, which never waits. The
 server thread numbers each broadcast (`seq`, protocol v1.1), serializes it once, gives it to the
-sinks (recorder, trace file) and appends the same string to every client's bounded queue. A client that stops reading loses its
+sinks (the history fold, trace file) and appends the same string to every client's bounded queue. A client that stops reading loses its
 oldest messages; once it has lost `drop_limit` of them without catching up, it is disconnected.
 """
 
@@ -27,6 +27,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 
+from instrumentation.protocol import BROADCAST_TYPES
+
 log = logging.getLogger("stepscope.publisher")
 
 Message = dict[str, Any]
@@ -40,7 +42,6 @@ class Record(Protocol):
 
 Sink = Callable[[Message, str], None]
 LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "::1"))
-BROADCAST_TYPES = frozenset(("step", "token", "request", "config"))
 CLOSE_TOO_SLOW = 1008  # policy violation: the client did not read its messages
 WRITE_LIMIT = 2**16  # bytes in a connection's write buffer beyond which messages wait in its outbox
 

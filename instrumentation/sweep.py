@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from instrumentation import messages
-from instrumentation.fold import BROADCAST_TYPES, summarize
+from instrumentation.fold import Summary, summarize
+from instrumentation.protocol import BROADCAST_TYPES
 from instrumentation.trace import TraceWriter, read_jsonl
 
 SUMMARY = "summary.csv"
@@ -60,7 +61,8 @@ class RunTrace:
 
 @dataclass(frozen=True, slots=True)
 class SweepRow:
-    """One line of `summary.csv` (the issue's columns, in order)."""
+    """One line of `summary.csv`: the run's policy and budget, then its `fold.Summary` figures
+    (the page's headline figures, under the same names)."""
 
     policy: str
     budget: int
@@ -69,11 +71,13 @@ class SweepRow:
     ttft_p99_s: float | None
     itl_p50_s: float | None
     itl_p99_s: float | None
+    itl_p999_s: float | None
     worst_stall_s: float | None
     output_tok_s: float | None
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(SweepRow))
+FIGURES: tuple[str, ...] = COLUMNS[2:]  # the columns that come from the Summary
 
 
 def run_file(policy: str, budget: int) -> str:
@@ -88,18 +92,11 @@ def parse_run_name(name: str) -> tuple[str, int] | None:
 
 def summary_row(policy: str, budget: int, messages_: Iterable[dict[str, Any]]) -> SweepRow:
     """The shared fold's summary of one run, as a table row."""
-    s = summarize(messages_)
-    return SweepRow(
-        policy=policy,
-        budget=budget,
-        requests=s.requests,
-        ttft_p50_s=s.ttft_p50_s,
-        ttft_p99_s=s.ttft_p99_s,
-        itl_p50_s=s.itl_p50_s,
-        itl_p99_s=s.itl_p99_s,
-        worst_stall_s=s.worst_stall_s,
-        output_tok_s=s.output_tok_s,
-    )
+    return row_of(policy, budget, summarize(messages_))
+
+
+def row_of(policy: str, budget: int, s: Summary) -> SweepRow:
+    return SweepRow(policy, budget, **{name: getattr(s, name) for name in FIGURES})
 
 
 def run_files(folder: str | Path) -> list[Path]:
@@ -137,16 +134,22 @@ def read_summary(path: str | Path) -> list[SweepRow]:
                 policy=r["policy"],
                 budget=int(r["budget"]),
                 requests=int(r["requests"]),
-                **{c: float(r[c]) if r[c] else None for c in COLUMNS[3:]},
+                **{c: float(r[c]) if r[c] else None for c in FIGURES[1:]},
             )
             for r in reader
         ]
 
 
 def load_rows(folder: str | Path) -> list[SweepRow]:
-    """A sweep folder's table: `summary.csv` if there is one, else recomputed from the traces."""
+    """A sweep folder's table: `summary.csv` if there is one with today's columns, else
+    recomputed from the traces (an older sweep's summary lacks a column)."""
     summary = Path(folder) / SUMMARY
-    return read_summary(summary) if summary.exists() else summarize_folder(folder)
+    if summary.exists():
+        try:
+            return read_summary(summary)
+        except ValueError:
+            pass
+    return summarize_folder(folder)
 
 
 # ---- the trade-off figure -------------------------------------------------------------------

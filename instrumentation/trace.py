@@ -26,7 +26,11 @@ _US = 1e6  # Chrome traces count microseconds
 
 
 class TraceWriter:
-    """A publisher sink that appends each message's JSON text as one line."""
+    """A publisher sink that appends each message's JSON text as one line.
+
+    Each line is written whole and flushed to the operating system at once, so a process stopped
+    at any moment (SIGTERM from a service manager, SIGKILL, a crash) leaves every message it had
+    served in the file, with at most a cut last line that `read_jsonl` skips."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -37,8 +41,10 @@ class TraceWriter:
         self.write(text)
 
     def write(self, text: str) -> None:
-        self._file.write(text)
-        self._file.write("\n")
+        if self._file.closed:  # a message after close (shutting down): dropped, never a crash
+            return
+        self._file.write(text + "\n")
+        self._file.flush()
         self.lines += 1
 
     def close(self) -> None:

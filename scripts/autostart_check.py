@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from instrumentation.protocol import ENDED_STATES  # noqa: E402  (torch-free)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -89,7 +91,7 @@ def main() -> int:
         time.sleep(0.5)
     while time.monotonic() < deadline:
         recs = link.store.snapshot(last_steps=0).requests
-        if recs and all(r["state"] in ("finished", "aborted", "rejected") for r in recs):
+        if recs and all(r["state"] in ENDED_STATES for r in recs):
             break
         time.sleep(0.5)
     if run.errors:

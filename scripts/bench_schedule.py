@@ -84,7 +84,7 @@ class Setup:
         self.sched.advance(s.batch)
         for req in s.batch.reqs:
             if req.can_decode:
-                req.append_token(self.rng.randrange(3, 49152), self.t)
+                req.append_token(self.rng.randrange(3, 49152), self.t, int(self.t))
         for req in list(self.sched.finishing):
             self.sched.retire(req)
         return spent

@@ -4,7 +4,7 @@
     python scripts/bench_server.py soak [--model tiny] [--requests 2000] [--overlap]
 
 `overhead` runs the same workload on one engine, alternating rounds without and with the whole
-server stack (event hook, recorder, publisher thread, one connected client in another process
+server stack (event hook, history fold, publisher thread, one connected client in another process
 that reads and parses every message), and prints the step-time ratio. `soak` starts
 `python -m engine.server` and drives it over the WebSocket with random requests, budget and
 policy changes and aborts, then asks the server to check its page accounting.
@@ -28,6 +28,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from instrumentation.protocol import ENDED_STATES  # noqa: E402  (torch-free)
 
 
 def tiny_model(dst: Path) -> Path:
@@ -200,7 +202,7 @@ class Soak:
             self.counts[f"error {m['code']}"] += 1
             if m["code"] == "capacity":
                 self.backoff = True
-        elif kind == "request" and m["event"] in ("finished", "aborted", "rejected"):
+        elif kind == "request" and m["event"] in ENDED_STATES:
             self.live.discard(m["uid"])
             self.ended.append(m["uid"])
             self.ended_set.add(m["uid"])

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from instrumentation.fold import Fold  # noqa: E402
-from instrumentation.metrics import percentile  # noqa: E402  (torch-free)
+from instrumentation.metrics import gaps, percentile  # noqa: E402  (torch-free)
 
 GUIDELLM = "guidellm==0.8.1"
 QUANTILES = (50, 90, 99)
@@ -304,14 +304,13 @@ def trace_figures(path: Path, after_uid: int) -> dict[str, dict[str, float | Non
     with open(path) as f:
         for line in f:
             fold.apply(json.loads(line))
-    ttft, gaps, weighted = [], [], []
+    ttft, pooled, weighted = [], [], []
     for rec in fold.requests():
         if rec.uid <= after_uid or rec.t_first_token is None or rec.t_queued is None:
             continue
         ttft.append(rec.t_first_token - rec.t_queued)
-        times = rec.token_times
-        own = [b - a for a, b in zip(times, times[1:], strict=False)]
-        gaps += own
+        own = gaps(rec.token_times)
+        pooled += own
         if own:  # guidellm's ITL: each request's mean gap, once per gap (token-weighted)
             weighted += [sum(own) / len(own)] * len(own)
 
@@ -320,7 +319,7 @@ def trace_figures(path: Path, after_uid: int) -> dict[str, dict[str, float | Non
         out.update(mean=sum(xs) / len(xs) if xs else None, n=len(xs))
         return out
 
-    return {"ttft": stats(ttft), "itl": stats(gaps), "itl_req": stats(weighted)}
+    return {"ttft": stats(ttft), "itl": stats(pooled), "itl_req": stats(weighted)}
 
 
 def table(rows: list[tuple[str, dict[str, Any]]]) -> str:

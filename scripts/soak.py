@@ -11,7 +11,7 @@ flight). Every command carries an id, so replies are matched to what was sent.
 
 Checkpoints, after the first `--baseline` requests and at the end, each taken with the traffic
 drained: the server's resident memory (VmRSS from /proc), the size of the `hello` a new client
-gets (what the server's recorder keeps), and the step time of a fixed probe (the same shape of
+gets (what the server's history keeps), and the step time of a fixed probe (the same shape of
 work both times: 7 rounds of 24 fresh prompts of 64 tokens, 32 greedy tokens each, budget 256,
 mixed; the engine's own t1 - t0 per step, the median of each round, the best round compared).
 At the end, `stats`: integrity, no page held by a request, nothing reserved. Targets: RSS and step time within 10% of the baseline.
@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_server import random_submit  # noqa: E402  (the same random mix as its soak)
+
+from instrumentation.protocol import ENDED_STATES  # noqa: E402  (torch-free)
 
 
 def model_path(name: str, tmp: Path) -> str:
@@ -96,7 +98,7 @@ class Traffic:
                 self.live.add(m["uid"])  # its events may come before the reply
             if kind == "error" and m["code"] == "capacity":
                 self.backoff = True
-        elif kind == "request" and m["event"] in ("finished", "aborted", "rejected"):
+        elif kind == "request" and m["event"] in ENDED_STATES:
             self.live.discard(m["uid"])
             self.probe.discard(m["uid"])
             self.ended.add(m["uid"])

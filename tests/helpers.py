@@ -119,7 +119,7 @@ class SchedulerSim:
         for req in s.batch.reqs:
             if not req.can_decode:
                 continue
-            req.append_token(self.rng.randrange(3, 1000), self.t)
+            req.append_token(self.rng.randrange(3, 1000), self.t, int(self.t))
             if req.uid in finishing:
                 self.scheduler.retire(req)
             elif self.rng.random() < eos_rate:

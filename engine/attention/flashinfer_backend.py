@@ -63,6 +63,9 @@ class FlashInferAttention(AttentionBackend):
     # device's tuned table (or, untuned, the batch size) says it is faster (None); in every
     # graph the head shape allows (True); never (False).
     graph_decode_kernel: bool | None = None
+    # Let FlashInfer split a prefill's KV across CTAs (and merge the parts) when the batch has
+    # too few query tiles to fill the GPU; False plans every prefill and mixed step unsplit.
+    prefill_split_kv: bool = True
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
@@ -81,6 +84,7 @@ class FlashInferAttention(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
         self._graph_indices: torch.Tensor | None = None
+        self._paged: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._planned: torch.cuda.Event | None = None
         use = self.graph_decode_kernel is not False
         group = num_heads // num_kv_heads
@@ -93,7 +97,9 @@ class FlashInferAttention(AttentionBackend):
             return FlashInferMeta(self.decode, layout.out_loc)
         qo_indptr = torch.tensor(layout.qo_indptr, dtype=torch.int32)
         # causal is bottom-right aligned: query i of a chunk sees the prefix and itself
-        self._plan(self.prefill, idx, qo_indptr, causal=True)
+        self._plan(
+            self.prefill, idx, qo_indptr, causal=True, disable_split_kv=not self.prefill_split_kv
+        )
         return FlashInferMeta(self.prefill, layout.out_loc)
 
     def attend(self, q: torch.Tensor, layer: int, meta: FlashInferMeta) -> torch.Tensor:
@@ -112,6 +118,15 @@ class FlashInferAttention(AttentionBackend):
             )
         assert meta.wrapper is not None
         return meta.wrapper.run(q, self.pool.paged(layer))
+
+    def attend_into(
+        self, q: torch.Tensor, layer: int, meta: FlashInferMeta, out: torch.Tensor
+    ) -> None:
+        """`attend` into `out` (engine.piecewise_graph: the buffer its next piece reads)."""
+        assert meta.wrapper is not None and meta.decode is None
+        if self._paged is None:  # the layers' paged views, made once rather than every call
+            self._paged = [self.pool.paged(i) for i in range(self.pool.k.shape[0])]
+        meta.wrapper.run(q, self._paged[layer], out=out)
 
     def new_token_slots(self, meta: FlashInferMeta) -> torch.Tensor:
         return meta.out_loc

@@ -195,6 +195,12 @@ class KVManager:
         self.table.release_row(row)
         assert len(pages) * ps >= len(computed_ids)
 
+    def flush_cache(self) -> int:
+        """Free every cached page no request holds (SGLang's /flush_cache); how many."""
+        pages = self.cache.evict(self.cache.evictable_pages)
+        self.allocator.free(pages)
+        return len(pages)
+
     # -- accounting ----------------------------------------------------------------------
     def stats(self, reserved_tokens: int) -> KVStats:
         free = self.allocator.num_free

@@ -8,7 +8,7 @@ slice and vocabulary rows; `ShardLayout` gives the sizes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -26,7 +26,20 @@ from engine.models.parallel import (
 from engine.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from engine.attention.base import AttentionBackend
+    from engine.kvcache.pool import KVPool
+
+
+class AttentionBackend(Protocol):
+    """What a layer needs of its attention (engine.attention.base implements it): the model
+    sits below the backends, which are chosen and built around it."""
+
+    pool: KVPool
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int, meta: Any
+    ) -> torch.Tensor: ...
+
+    def new_token_slots(self, meta: Any) -> torch.Tensor | None: ...
 
 
 class RMSNorm(nn.Module):

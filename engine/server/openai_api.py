@@ -6,9 +6,10 @@ publisher hands each serialized message to its sinks on its own thread; `Router.
 the `token` and `request` messages of HTTP requests and hands them to that request's `Stream` on
 the HTTP loop, where a `Generation` turns them into text, usage and a finish reason.
 
-The web app itself (Starlette under uvicorn, engine/server/openai_app.py) is imported only by
-`start()`: building a server with the API on needs neither, so in-process benchmarks of
-`engine.server.build` run where they are not installed.
+The web app itself (Starlette under uvicorn, engine/server/openai_app.py) is made by the `app`
+factory the composition root hands in, called only by `start()`: building a server with the API
+on needs neither, so in-process benchmarks of `engine.server.build` run where they are not
+installed. This module never imports the web app, which imports it.
 """
 
 from __future__ import annotations
@@ -181,8 +182,15 @@ class Generation:
 class HttpApi:
     """Build with the engine and its metrics; `start()` binds and serves, `stop()` ends it."""
 
-    def __init__(self, llm: Any, config: HttpConfig, metrics: EngineMetrics) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        config: HttpConfig,
+        metrics: EngineMetrics,
+        app: Callable[[HttpApi], Any],
+    ) -> None:
         self.llm = llm
+        self.app = app  # the ASGI app's factory (openai_app.build_app), called by start()
         self.config = config
         self.metrics = metrics
         self.router = Router()
@@ -207,8 +215,6 @@ class HttpApi:
         """Bind (raising OSError, e.g. port in use) and serve in a daemon thread."""
         import uvicorn
 
-        from engine.server.openai_app import build_app
-
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -220,7 +226,7 @@ class HttpApi:
             raise
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(self), lifespan="off", log_level="warning", access_log=False,
+            self.app(self), lifespan="off", log_level="warning", access_log=False,
             timeout_graceful_shutdown=2, loop="asyncio",
         )  # fmt: skip
         self._server = uvicorn.Server(config)
@@ -263,6 +269,7 @@ def build_http_api(
     allowed_origins: tuple[str, ...],
     max_waiting: int,
     model_arg: str,
+    app: Callable[[HttpApi], Any],
 ) -> HttpApi:
     """The API for `python -m engine.server`: `model_arg` (the --model given) is accepted as a
     model name besides the engine's own."""
@@ -273,4 +280,4 @@ def build_http_api(
     names = (model_arg, model_arg.rstrip("/").rsplit("/", 1)[-1])
     config = HttpConfig(host=host, port=port, token=token, allowed_origins=allowed_origins,
                         max_waiting=max_waiting, model_names=names)  # fmt: skip
-    return HttpApi(llm, config, EngineMetrics(llm.info.model))
+    return HttpApi(llm, config, EngineMetrics(llm.info.model), app)

@@ -36,6 +36,7 @@ from engine.server.openai_schema import (
     bad,
     parse_request,
 )
+from engine.server.sglang_api import SglangWorker
 from instrumentation.errors import EngineError, NotFound, TooLarge
 from instrumentation.publisher import origin_allowed
 from instrumentation.sampling import SamplingParams
@@ -141,6 +142,7 @@ class Endpoints:
             Route("/metrics", endpoint(self._metrics), methods=["GET"]),
             Route("/v1/completions", endpoint(completions), methods=["POST"]),
             Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
+            *SglangWorker(self).routes(endpoint),  # what SGLang's Model Gateway calls
         ]
         return Starlette(
             routes=routes,
@@ -171,8 +173,16 @@ class Endpoints:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
-    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
-        req = parse_request(await self._read_json(request), endpoint)
+    def parse(self, obj: Any, endpoint: Endpoint) -> GenerationRequest:
+        return parse_request(obj, endpoint)
+
+    def event_stream(self, body: AsyncIterator[bytes], gen: Generation) -> Response:
+        return EventStreamResponse(body, gen)  # type: ignore[return-value]
+
+    async def start(
+        self, req: GenerationRequest, source: str = "http"
+    ) -> tuple[Generation, ResponseHead]:
+        """Check the model and the queue, tokenize, submit: the request's Generation."""
         if req.model is not None and req.model not in self.api.model_names:
             raise ApiError(
                 404, f"The model `{req.model}` does not exist.", code="model_not_found",
@@ -192,12 +202,17 @@ class Endpoints:
         )  # fmt: skip
         stream = Stream(asyncio.get_running_loop())
         with self.router.lock:
-            uid = self.llm.submit(ids, params, source="http")
+            uid = self.llm.submit(ids, params, source=source)
             self.router.register(uid, stream)
         self.api.wake()
         gen = Generation(self.api, uid, stream, req, len(ids))
-        prefix = "cmpl" if endpoint == "completion" else "chatcmpl"
-        head = ResponseHead(f"{prefix}-{uid}-{secrets.token_hex(6)}", self.api.model, endpoint)
+        prefix = "cmpl" if req.endpoint == "completion" else "chatcmpl"
+        head = ResponseHead(f"{prefix}-{uid}-{secrets.token_hex(6)}", self.api.model, req.endpoint)
+        return gen, head
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        req = parse_request(await self.read_json(request), endpoint)
+        gen, head = await self.start(req)
         if req.stream:
             return EventStreamResponse(self._events(gen, head, req), gen)  # type: ignore[return-value]
         watcher = asyncio.create_task(_watch_disconnect(request.receive, gen))
@@ -233,7 +248,7 @@ class Endpoints:
                 yield _sse(head.usage_chunk(gen.usage))
         yield b"data: [DONE]\n\n"
 
-    async def _read_json(self, request: Request) -> Any:
+    async def read_json(self, request: Request) -> Any:
         limit = self.config.max_body_bytes
         too_big = ApiError(413, f"the request body is over {limit} bytes", code="too_large")
         # read an oversized body to its end (up to a bound) before answering: a client still

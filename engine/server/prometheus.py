@@ -6,9 +6,11 @@ engine's order (on the publisher's thread) and keeps vLLM's metrics under the pr
 the prefix is renamed. Histogram buckets are supersets of vLLM's (every vLLM bound is here, plus
 finer ones below 10 ms for GPU decode steps), so a query for a vLLM bucket still finds it.
 
-Per-request figures use the definitions of instrumentation/metrics.py: TTFT is first token minus queued,
-ITL the gaps between one request's consecutive tokens, and a decode stall (stepscope's own
-`decode_stall_seconds`) is such a gap during which at least one step ran without the request.
+Per-request figures are instrumentation.metrics' (docs/protocol.md, "Metrics"): TTFT is first
+token minus queued, ITL the gaps between one request's consecutive tokens, TPOT and e2e latency
+`request_metrics`', and a decode stall (stepscope's own `decode_stall_seconds`, with its exact
+maximum `decode_stall_max_seconds`) is such a gap during which at least one step ran without the
+request (`stalled_between`: a token's step is the `step` message its `token` follows).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 import threading
 from bisect import bisect_left
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -28,6 +30,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.utils import floatToGoString
+
+from instrumentation.metrics import request_metrics, stalled_between
+from instrumentation.protocol import ENDED_STATES
 
 PREFIX = "stepscope:"
 Message = dict[str, Any]
@@ -49,15 +54,15 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 @dataclass(slots=True)
 class _Live:
-    """What the fold keeps of one request until it ends."""
+    """What the fold keeps of one request until it ends: its times, and its tokens' times and
+    step numbers (for instrumentation.metrics)."""
 
     t_queued: float
     prompt_len: int
     state: str = "waiting"  # or "running"
-    t_first: float | None = None
-    t_last: float | None = None
-    tokens: int = 0
-    step_at_last: int = 0  # the step counter when its last token came
+    t_admitted: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)
 
 
 class _Counter:
@@ -99,7 +104,7 @@ class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self._model = model_name
         self._live: dict[int, _Live] = {}
-        self._steps = 0
+        self._step_no = -1  # the number of the last step message: the step of the tokens after it
         self._running = 0  # of `_live`, those admitted
         self._stopped: set[int] = set()  # uids the API ended on a stop string
         self._lock = threading.Lock()  # `mark_stop` comes from the HTTP thread
@@ -141,13 +146,16 @@ class EngineMetrics:
             "Token gaps during which at least one engine step ran without the request.",
             ITL_BUCKETS,
         )
+        self.stall_max = g(
+            "decode_stall_max_seconds", "The longest decode stall of any request so far."
+        )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]  # a collector: `collect()`
 
     def collect(self) -> Iterator[Metric]:
         """The metric families, for the registry (any thread)."""
         lab = [self._model]
-        for g in (self.running, self.waiting, self.kv_usage):
+        for g in (self.running, self.waiting, self.kv_usage, self.stall_max):
             fam = GaugeMetricFamily(PREFIX + g.name, g.doc, labels=["model_name"])
             fam.add_metric(lab, g.value)
             yield fam
@@ -200,7 +208,7 @@ class EngineMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def _step(self, msg: Message) -> None:
-        self._steps += 1
+        self._step_no = int(msg["step"])
         self.iteration_tokens.observe(sum(i["end"] - i["start"] for i in msg["items"]))
         self.step_seconds.observe(msg["t1"] - msg["t0"])
         kv = msg["kv"]
@@ -212,17 +220,16 @@ class EngineMetrics:
         if r is None:
             return
         t = msg["t"]
-        if r.t_last is not None:
-            gap = t - r.t_last
+        if r.token_times:
+            gap = t - r.token_times[-1]
             self.itl.observe(gap)
-            if self._steps - r.step_at_last > 1:  # a step between the two went without it
+            if stalled_between(r.token_steps[-1], self._step_no):
                 self.stall.observe(gap)
+                self.stall_max.set(max(self.stall_max.value, gap))
         else:
-            r.t_first = t
             self.ttft.observe(t - r.t_queued)
-        r.t_last = t
-        r.tokens += 1
-        r.step_at_last = self._steps
+        r.token_times.append(t)
+        r.token_steps.append(self._step_no)
 
     def _request(self, msg: Message) -> None:
         uid, event, t = msg["uid"], msg["event"], msg["t"]
@@ -235,6 +242,7 @@ class EngineMetrics:
             return
         if event == "admitted":
             r.state = "running"
+            r.t_admitted = t
             self._running += 1
             self.queue_time.observe(t - r.t_queued)
             self.prefix_queries.inc(r.prompt_len)
@@ -242,7 +250,7 @@ class EngineMetrics:
             self._gauges()
         elif event == "first_token":
             self.prompt_tokens.inc(r.prompt_len)
-        elif event in ("finished", "aborted", "rejected"):
+        elif event in ENDED_STATES:
             del self._live[uid]
             self._running -= r.state == "running"
             with self._lock:
@@ -257,10 +265,11 @@ class EngineMetrics:
 
     def _ended(self, r: _Live, reason: str) -> None:
         self.success[reason].inc()
-        if r.t_last is not None:
-            self.e2e.observe(r.t_last - r.t_queued)
-        if r.t_first is not None and r.t_last is not None and r.tokens > 1:
-            self.tpot.observe((r.t_last - r.t_first) / (r.tokens - 1))
+        m = request_metrics(r.t_queued, r.t_admitted, r.token_times, r.token_steps)
+        if m["e2e_request_latency_seconds"] is not None:
+            self.e2e.observe(m["e2e_request_latency_seconds"])
+        if m["time_per_output_token_seconds"] is not None:
+            self.tpot.observe(m["time_per_output_token_seconds"])
 
     def _gauges(self) -> None:
         self.running.set(self._running)

@@ -12,7 +12,10 @@ describes every source, option and message field.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from typing import Any
 
 from instrumentation.watch.run import LOG_SOURCES, SOURCES, Watch, WatchConfig
 
@@ -32,7 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--token", help="require this bearer token from clients")
     p.add_argument("--trace", help="write every message to this JSON-lines file")
-    p.add_argument("--kv-events", metavar="ENDPOINT", help="also read vLLM KV events from here")
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="also read vLLM KV events from here (or from a file made by --record-frames)",
+    )
+    p.add_argument(
+        "--kv-replay",
+        metavar="ENDPOINT",
+        help="vLLM's KV-event replay socket (its replay_endpoint): missed batches are asked for",
+    )
+    p.add_argument(
+        "--record-frames", metavar="FILE", help="keep the KV-event socket's raw messages in FILE"
+    )
+    p.add_argument(
+        "--log-timezone",
+        metavar="ZONE",
+        help="the engine's time zone (e.g. UTC), to place KV events on its log's clock",
+    )
     p.add_argument(
         "--zmq-bind", action="store_true", help="bind the ZMQ endpoint (engine connects)"
     )
@@ -68,6 +88,9 @@ def config_from_args(args: argparse.Namespace) -> WatchConfig:
         token=args.token,
         trace=args.trace,
         kv_events=args.kv_events,
+        kv_replay=args.kv_replay,
+        record_frames=args.record_frames,
+        log_timezone=args.log_timezone,
         zmq_bind=args.zmq_bind,
         pace=args.pace,
         dp_rank=args.dp_rank,
@@ -88,16 +111,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.pace is not None and (args.source not in LOG_SOURCES or args.pace <= 0):
         parser.error("--pace replays a log: give a speed > 0")
     watch = Watch(config_from_args(args))
+    previous = _stop_on_signals(watch)
     try:
         watch.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C while stopping
         watch.stop.set()
-    except OSError as exc:  # a missing log, a port in use
+    except (OSError, ValueError) as exc:  # a missing log, a port in use, not a frames file
         print(f"watch: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        print(watch.emitter.summary_line(), file=sys.stderr)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        print(watch.emitter.summary_line(), file=sys.stderr, flush=True)
     return 0
+
+
+def _stop_on_signals(watch: Watch) -> dict[int, Any]:
+    """SIGTERM (a service manager) and SIGINT (Ctrl-C) stop the watch cleanly: the source stops,
+    every message already served reaches the trace, and the trace is closed. A second signal
+    interrupts at once. Only in the main thread (a watch run from a test thread keeps Python's
+    own handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if watch.stop.is_set():
+            raise KeyboardInterrupt
+        watch.stop.set()
+
+    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Phase = Literal["prefill", "decode", "mixed"]
-TimeSource = Literal["log", "received"]
+TimeSource = Literal["log", "estimated", "received"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,7 @@ class AggregateStep:
     phase: Phase
     t0: float
     t1: float
-    t_source: TimeSource  # "log": the engine's own timestamps; "received": when the watch read it
+    t_source: TimeSource  # "log": the line's stamp; "estimated": placed in its second; "received"
     prompt_tokens: int | None = None  # prompt tokens computed this step (not cache hits)
     cached_tokens: int | None = None  # prompt tokens served by the prefix cache this step
     prefill_requests: int | None = None  # requests with prompt work in this step

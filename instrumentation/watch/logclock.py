@@ -9,6 +9,7 @@ than half the unit the log leaves out (a day, a year) is taken as that unit roll
 from __future__ import annotations
 
 from datetime import datetime
+from zoneinfo import ZoneInfo
 
 _DAY = 86400.0
 _YEAR = 365 * _DAY
@@ -19,6 +20,7 @@ class LogClock:
         self._origin: float | None = None
         self._last: float | None = None
         self._carry = 0.0  # seconds added for each day or year the log's own stamps rolled over
+        self._missing: float = 0.0  # what the origin's stamp left out: a day, a year, or nothing
 
     def seconds(self, stamp: datetime, missing_unit: float = 0.0) -> float:
         """`stamp`'s offset from the first stamp; `missing_unit` is _DAY or _YEAR when the log
@@ -28,8 +30,26 @@ class LogClock:
             self._carry += missing_unit
             raw += missing_unit
         if self._origin is None:
-            self._origin = raw
+            self._origin, self._missing = raw, missing_unit
         self._last = raw
+        return raw - self._origin
+
+    def at_epoch(self, ts: float, timezone: str | None = None) -> float | None:
+        """A Unix time (an engine's `time.time()`) on this clock: the engine's wall clock read
+        as its log would print it, in `timezone` (the engine's; default the local zone). None
+        before the first stamp. Where the log omits the year or the date, the reading nearest
+        the latest stamp is taken."""
+        if self._origin is None or self._last is None:
+            return None
+        zone = ZoneInfo(timezone) if timezone else None
+        when = datetime.fromtimestamp(ts, zone).replace(tzinfo=None)
+        if self._missing == _YEAR:
+            when = when.replace(year=2000, day=min(when.day, 29) if when.month == 2 else when.day)
+        elif self._missing == _DAY:
+            when = datetime.combine(datetime(2000, 1, 1).date(), when.time())
+        raw = when.timestamp()
+        if self._missing:
+            raw += round((self._last - raw) / self._missing) * self._missing
         return raw - self._origin
 
 

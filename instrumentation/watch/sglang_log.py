@@ -31,6 +31,7 @@ from instrumentation.watch.aggregate import AggregateStep, TimeSource
 from instrumentation.watch.fields import Field, FieldTable, flag, percent, read_segments, split_body
 from instrumentation.watch.fields import field as f
 from instrumentation.watch.logclock import LogClock, parse_stamp
+from instrumentation.watch.placement import StepPlacer
 
 SOURCE = "sglang-log"
 DEFAULT_DECODE_LOG_INTERVAL = 40  # SGLang's --decode-log-interval default
@@ -50,7 +51,12 @@ STAMP = re.compile(
 )
 RANK = re.compile(r"([A-Z][A-Z_]*?)(\d+)$")
 
+
 # One table per format: field name -> pattern of its whole segment.
+def _graph(backend: str, used: str) -> tuple[str, bool]:
+    return backend, flag(used)
+
+
 FIELDS = FieldTable(
     {
         "new_seq": f(r"#new-seq: (\d+)"),
@@ -65,19 +71,34 @@ FIELDS = FieldTable(
         "full_token": f(r"#full token: (\d+)"),
         "swa_token": f(r"#swa token: (\d+)"),
         "mamba_num": f(r"mamba num: (\d+)"),
+        # HiSparse (2026): device buffer and host pool instead of #token / token usage
+        "gpu_token": f(r"#gpu[- ]token: (\d+)"),
+        "gpu_token_usage": f(r"gpu token usage: ([\d.]+)", float),
+        "cpu_token": f(r"#cpu[- ]token: (\d+)"),
+        "cpu_token_usage": f(r"cpu token usage: ([\d.]+)", float),
         "running_req": f(r"#running-req: (\d+)"),
         "queue_req": f(r"#queue-req: (\d+)"),
         "pending_token": f(r"#pending-token: (\d+)"),
+        # prefill-decode disaggregation: the prefill side's queues (2025: #unbootstrapped-req and
+        # #transferring-req; 2026: #bootstrap-req and #inflight-req), the decode side's
+        "unbootstrapped_req": f(r"#unbootstrapped-req: (\d+)"),
+        "transferring_req": f(r"#transferring-req: (\d+)"),
+        "bootstrap_req": f(r"#bootstrap-req: (\d+)"),
         "inflight_req": f(r"#inflight-req: (\d+)"),
         "prealloc_req": f(r"#prealloc-req: (\d+)"),
         "transfer_req": f(r"#transfer-req: (\d+)"),
         "retracted_req": f(r"#retracted-req: (\d+)"),
         "preallocated_usage": f(r"pre-allocated usage: ([\d.]+)", float),
+        "waiting_image_req": f(r"waiting-image-req: (\d+)"),
         "accept_len": f(r"accept len: ([\d.]+)", float),
         "accept_rate": f(r"accept rate: ([\d.]+)", float),
-        "graph": f(r"(?:cuda|cpu|npu) graph: (True|False)", flag),
+        "graph": f(r"(\w+) graph: (True|False)", _graph),  # cuda, npu, musa, cpu, ...
         "gen_throughput": f(r"gen throughput \(token/s\): ([\d.]+)", float),
         "input_throughput": f(r"input throughput \(token/s\): ([\d.]+)", float),
+        "est_tflops": f(r"est\. (?:prefill|decode) TFLOPS/s \(per GPU\): ([\d.]+)", float),
+        "est_read_bw": f(r"est\. read BW \(GB/s per GPU\): ([\d.]+)", float),
+        "est_write_bw": f(r"est\. write BW \(GB/s per GPU\): ([\d.]+)", float),
+        "fwd_occupancy": f(r"fwd occupancy: ([\d.]+)%", percent),
     }
 )
 FIELDS_2024_FILL = FieldTable(
@@ -92,17 +113,25 @@ FIELDS_2024_FILL = FieldTable(
 )
 # Figures a step carries under their own names (docs/watch.md), beyond the common aggregates.
 EXTRA_NAMES = {
-    "cache_hit_rate": "cache_hit_rate",
+    "cache_hit_rate": "lifetime_cache_hit_rate",  # hits / prompt tokens since the server started
     "pending_token": "pending_tokens",
     "input_throughput": "input_throughput",
     "gen_throughput": "gen_throughput",
     "accept_len": "accept_len",
     "accept_rate": "accept_rate",
-    "graph": "graph",
+    "unbootstrapped_req": "unbootstrapped_requests",
+    "transferring_req": "transferring_requests",
+    "bootstrap_req": "bootstrap_requests",
     "inflight_req": "inflight_requests",
     "prealloc_req": "prealloc_requests",
     "transfer_req": "transfer_requests",
     "retracted_req": "retracted_requests",
+    "preallocated_usage": "preallocated_usage",
+    "waiting_image_req": "waiting_image_requests",
+    "est_tflops": "est_tflops_per_gpu",
+    "est_read_bw": "est_read_gb_s_per_gpu",
+    "est_write_bw": "est_write_gb_s_per_gpu",
+    "fwd_occupancy": "fwd_occupancy",
 }
 # Start-up lines (server_args=ServerArgs(...), "max_total_num_tokens=..., ...") fill hello.engine.
 ENGINE_INFO: dict[str, Field] = {
@@ -124,7 +153,9 @@ ENGINE_INFO: dict[str, Field] = {
 class _Stream:
     """Per data-parallel rank: each DP rank has its own scheduler and prints its own lines."""
 
-    tp: int | None = None  # the TP rank whose lines this stream reads; others repeat them
+    # The other rank tags (TP, PP, ATTN_CP, EP, ...) whose lines this stream reads: lines of the
+    # same DP rank with other tags repeat the same batch.
+    ranks: tuple[tuple[str, int], ...] | None = None
     last_prefill_tokens: int | None = None
 
 
@@ -141,6 +172,7 @@ class SglangLogReader:
     dp_rank: int | None = None  # only this DP rank's lines, when set
     clock: LogClock = field(default_factory=LogClock)
     streams: dict[int | None, _Stream] = field(default_factory=dict)
+    placer: StepPlacer = field(default_factory=StepPlacer)
 
     def __post_init__(self) -> None:
         self.engine.update(self.overrides)
@@ -155,7 +187,10 @@ class SglangLogReader:
         if m is None:
             self._engine_info(line)
             self.status["skipped"] += 1
-            return []
+            stamp = _last_stamp(line[:80])
+            if stamp is None:  # any stamped line: the log has reached this time
+                return []
+            return self.placer.advance(self._when(stamp)[0])
         stamp = _last_stamp(line[: m.start("body")])
         ranks = _ranks(stamp.group("ranks")) if stamp else {}
         if not self._keep(ranks):
@@ -177,6 +212,8 @@ class SglangLogReader:
             common["iteration"] = int(m.group("iteration"))
         v = reading.values
         extra = {EXTRA_NAMES[k]: v[k] for k in EXTRA_NAMES if k in v}
+        if "graph" in v:
+            extra["graph_backend"], extra["graph"] = v["graph"]
         if reading.unread:
             extra["unread"] = list(reading.unread)
         if kind in ("prefill", "fill"):
@@ -187,7 +224,13 @@ class SglangLogReader:
         if step is None:
             self.status["unreadable"] += 1
             return []
-        return [step]
+        placed = self.placer.advance(t) if t_source == "log" else []
+        coarse = stamp is not None and not stamp.group("frac")
+        return placed + self.placer.add(ranks.get("DP"), step, coarse=coarse)
+
+    def flush(self) -> list[AggregateStep]:
+        """Steps still held in their second (end of input, or the log went quiet)."""
+        return self.placer.flush()
 
     def _when(self, stamp: re.Match[str] | None) -> tuple[float, TimeSource]:
         if stamp is None:
@@ -201,13 +244,13 @@ class SglangLogReader:
             self.status["other_dp_rank_lines"] += 1
             return False
         stream = self.streams.setdefault(dp, _Stream())
-        tp = ranks.get("TP")
-        if tp is None:
+        others = tuple(sorted((k, v) for k, v in ranks.items() if k != "DP"))
+        if not others:  # no rank tags: nothing to repeat
             return True
-        if stream.tp is None:
-            stream.tp = tp
-        if tp != stream.tp:  # another TP rank printing the same batch
-            self.status["other_tp_rank_lines"] += 1
+        if stream.ranks is None:
+            stream.ranks = others
+        if others != stream.ranks:  # another TP/PP/CP rank printing the same batch
+            self.status["other_rank_lines"] += 1
             return False
         return True
 
@@ -275,10 +318,12 @@ class SglangLogReader:
 
     def _kv(self, v: dict[str, Any]) -> dict[str, Any] | None:
         """Token-pool figures: `used` as SGLang counts it (held by requests, not evictable cache),
-        `usage` its ratio to the pool, `total` when the log or the command line says it."""
+        `usage` its ratio to the pool, `total` when the log or the command line says it. HiSparse
+        prints its device buffer (`#gpu token`) and host pool (`#cpu token`) instead: `used` and
+        `usage` are the device's, `pools.cpu` the host's."""
         kv: dict[str, Any] = {"unit": "token"}
-        usage = v.get("token_usage", v.get("full_token_usage"))
-        used = v.get("token", v.get("full_token"))
+        usage = _first(v, "token_usage", "full_token_usage", "gpu_token_usage")
+        used = _first(v, "token", "full_token", "gpu_token")
         total = self.engine.get("max_total_num_tokens")
         if usage is not None:
             kv["usage"] = usage
@@ -290,10 +335,13 @@ class SglangLogReader:
         if total:
             kv["total"] = total
         pools = {}
-        if "swa_token" in v or "swa_token_usage" in v:
-            pools["swa"] = _pool(v.get("swa_token"), v.get("swa_token_usage"))
-        if "mamba_num" in v or "mamba_usage" in v:
-            pools["mamba"] = _pool(v.get("mamba_num"), v.get("mamba_usage"))
+        for pool, count, ratio in (
+            ("swa", "swa_token", "swa_token_usage"),
+            ("mamba", "mamba_num", "mamba_usage"),
+            ("cpu", "cpu_token", "cpu_token_usage"),
+        ):
+            if count in v or ratio in v:
+                pools[pool] = _pool(v.get(count), v.get(ratio))
         if pools:
             kv["pools"] = pools
         return kv if len(kv) > 1 else None
@@ -324,6 +372,10 @@ def _classify(line: str) -> tuple[str, re.Match[str] | None]:
         return "fill", m
     m = DECODE_2024.search(line)
     return "decode2024", m
+
+
+def _first(v: dict[str, Any], *names: str) -> Any:
+    return next((v[n] for n in names if n in v), None)
 
 
 def _pool(used: int | None, usage: float | None) -> dict[str, Any]:

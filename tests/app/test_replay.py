@@ -53,7 +53,7 @@ def _record(llm: object, policy: str, path: Path) -> EventStore:
     try:
         run_arrivals(llm, arrivals, prompts)  # type: ignore[arg-type]
     finally:
-        llm._event_hooks.remove(tee)  # type: ignore[attr-defined]
+        llm.remove_event_hook(tee)
         trace.close()
     return live
 

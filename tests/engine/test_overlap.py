@@ -124,8 +124,8 @@ def test_sampled_tokens_and_eos_match_the_synchronous_engine(tiny_llama_dir, pol
 
 
 def _in_flight(llm: LLM) -> set[int]:
-    assert llm._inflight is not None
-    return {r.uid for r in llm._inflight.batch.reqs}
+    assert llm.pipeline.inflight is not None
+    return {r.uid for r in llm.pipeline.inflight.batch.reqs}
 
 
 def test_abort_while_its_step_is_in_flight(tiny_llama_dir) -> None:
@@ -140,7 +140,7 @@ def test_abort_while_its_step_is_in_flight(tiny_llama_dir) -> None:
         llm.step()
     # `last` is sampling its final token: it is no longer scheduled and its pages are back,
     # but it has not ended
-    assert last in _in_flight(llm) and last in llm._finishing
+    assert last in _in_flight(llm) and last in llm.pipeline.finishing
     llm.abort(last)
     llm.step()
     chunked = llm.submit([rng.randrange(3, 49152) for _ in range(40)], SamplingParams(max_tokens=5))

@@ -83,10 +83,10 @@ def test_a_step_whose_requests_all_ended_while_it_ran_is_recorded(tiny_llama_dir
     ]
     while len(ev.tokens) < 4:
         llm.step()
-    assert llm._inflight is not None
-    running = {r.uid for r in llm._inflight.batch.reqs}
+    assert llm.pipeline.inflight is not None
+    running = {r.uid for r in llm.pipeline.inflight.batch.reqs}
     assert running == set(uids)
-    number = llm._step_no  # the record the in-flight step will get
+    number = llm.pipeline.step_no  # the record the in-flight step will get
     for uid in uids:
         llm.abort(uid)
     while llm.has_work():

@@ -13,7 +13,7 @@ import pytest
 
 from app.client import EngineLink
 from app.state import EventStore
-from instrumentation import messages
+from instrumentation import PROTOCOL_MINOR, messages
 from instrumentation.fold import Fold, Gap
 from instrumentation.publisher import Publisher, PublisherConfig
 from tests.server.test_server_support import ProtoClient, running_server, stuck_client
@@ -202,7 +202,7 @@ def test_fold_gaps_and_duplicates() -> None:
 def test_abort_is_acknowledged_and_its_event_follows(tiny_llama_dir) -> None:
     with running_server(tiny_llama_dir, "--max-extend-tokens", "8") as server:
         c = server.client()
-        assert c.hello["engine"]["instance"] and c.hello["protocol_minor"] == 1
+        assert c.hello["engine"]["instance"] and c.hello["protocol_minor"] == PROTOCOL_MINOR
         ok = c.reply({"type": "submit", "id": "s", "input_ids": [5] * 40, "max_tokens": 200,
                       "ignore_eos": True})  # fmt: skip
         uid = ok["uid"]

@@ -44,6 +44,7 @@ def read(reader_cls: type, lines: list[str], **kw: object) -> tuple[list[dict], 
     status: Counter = Counter()
     reader = reader_cls(engine, status, lambda: 0.0, **kw)
     steps = [s.fields() for line in lines for s in reader.feed(line)]
+    steps += [s.fields() for s in reader.flush()]  # the end of the input: held steps are final
     return steps, engine, status
 
 
@@ -54,10 +55,31 @@ def test_at_least_six_sglang_format_versions_are_covered() -> None:
         assert f"`{log.name}`" in sources, f"{log.name} has no source in SOURCES.md"
 
 
+def rank_tags(line: str) -> tuple[int | None, tuple[str, ...]]:
+    """The test's own reading of a line's bracket: (DP rank, the other rank tags)."""
+    m = re.search(r"\[[\d:\-. ]+((?: [A-Z][A-Z_]*\d+)*)\] ", line)
+    tags = m.group(1).split() if m else []
+    dp = next((int(t[2:]) for t in tags if re.fullmatch(r"DP\d+", t)), None)
+    return dp, tuple(t for t in tags if not re.fullmatch(r"DP\d+", t))
+
+
+def one_line_per_batch(lines: list[str]) -> dict[int | None, list[str]]:
+    """Batch lines by DP rank, without the repeats other TP/PP/CP ranks print of one batch."""
+    first: dict[int | None, tuple[str, ...]] = {}
+    by_rank: dict[int | None, list[str]] = {}
+    for line in lines:
+        if not BATCH_LINE.search(line):
+            continue
+        dp, others = rank_tags(line)
+        if first.setdefault(dp, others) == others:
+            by_rank.setdefault(dp, []).append(line)
+    return by_rank
+
+
 @pytest.mark.parametrize("log", SGLANG_LOGS, ids=lambda p: p.stem)
 def test_every_sglang_scheduler_line_becomes_a_step(tmp_path: Path, log: Path) -> None:
-    lines = log.read_text().splitlines()
-    batch_lines = [ln for ln in lines if BATCH_LINE.search(ln)]
+    by_rank = one_line_per_batch(log.read_text().splitlines())
+    batch_lines = [ln for lines in by_rank.values() for ln in lines]
     messages = convert(tmp_path, "sglang-log", log)
     hello, steps = messages[0], steps_of(messages)
     assert hello["type"] == "hello" and hello["engine"]["source"] == "sglang-log"
@@ -68,17 +90,22 @@ def test_every_sglang_scheduler_line_becomes_a_step(tmp_path: Path, log: Path) -
     # The prompt-token totals equal the lines' own #new-token sums.
     expected = sum(int(m.group(1)) for ln in batch_lines for m in NEW_TOKENS.finditer(ln))
     assert sum(s.get("prompt_tokens", 0) for s in steps) == expected
-    for s, line in zip(steps, batch_lines, strict=True):
-        assert s["source"] == "sglang-log" and s["items"] == []  # counts only, no invented ids
-        assert s["phase"] == (
-            "decode" if "#running-req: " in line and "#new" not in line else "prefill"
-        )
-        if s["phase"] == "decode":
-            assert s["sample_of_steps"] == 40  # one line per --decode-log-interval steps
-        assert s["t0"] <= s["t1"]
-        assert s["t_source"] == (
-            "log" if re.search(r"\[[\d:\- ]+( [A-Z]+\d+)*\] ", line) else "received"
-        )
+    for dp, lines in by_rank.items():
+        rank_steps = [s for s in steps if s.get("dp_rank") == dp]
+        for s, line in zip(rank_steps, lines, strict=True):  # each rank's steps in its log order
+            assert s["source"] == "sglang-log" and s["items"] == []  # counts only, no ids
+            assert s["phase"] == (
+                "decode" if "#running-req: " in line and "#new" not in line else "prefill"
+            )
+            if s["phase"] == "decode":
+                assert s["sample_of_steps"] == 40  # one line per --decode-log-interval steps
+            assert s["t0"] <= s["t1"]
+            # Stamps to the second are placed inside their second (placement.py).
+            assert s["t_source"] == ("estimated" if rank_tags(line) != (None, ()) or
+                                     re.search(r"\[[\d:\- ]+\] ", line) else "received")  # fmt: skip
+        placed = [s["t1"] for s in rank_steps if s["t_source"] == "estimated"]
+        assert len(set(placed)) == len(placed)  # never two steps of one engine at one instant
+        assert placed == sorted(placed)
 
 
 def test_sglang_fields_across_versions() -> None:
@@ -86,7 +113,7 @@ def test_sglang_fields_across_versions() -> None:
         SglangLogReader, (FIXTURES / "sglang_2024-04_fill_batch.log").read_text().splitlines()
     )
     assert steps[0]["cached_tokens"] == 757 and steps[0]["queue"] == {"waiting": 4, "running": 2}
-    assert steps[0]["cache_hit_rate"] == pytest.approx(0.8083)
+    assert steps[0]["lifetime_cache_hit_rate"] == pytest.approx(0.8083)
     assert steps[-1]["phase"] == "decode" and steps[-1]["kv"] == {
         "unit": "token",
         "usage": 0.24,
@@ -100,7 +127,10 @@ def test_sglang_fields_across_versions() -> None:
     assert first["prefill_requests"] == 12 and first["pending_tokens"] == 109585
     assert first["kv"]["usage"] == 0.14 and first["kv"]["pools"] == {"mamba": {"usage": 0.2}}
     assert first["input_throughput"] == pytest.approx(15734.14) and first["graph"] is False
-    assert [s["t1"] for s in steps] == [0.0, 3.0, 6.0, 9.0, 12.0]  # seconds since the first line
+    # seconds since the first line, each step alone in its second: placed mid-second, estimated
+    assert [int(s["t1"]) for s in steps] == [0, 3, 6, 9, 12]
+    assert {s["t_source"] for s in steps} == {"estimated"}
+    assert [s["t1"] - int(s["t1"]) for s in steps] == pytest.approx([0.4995] * 5)
 
     steps, _, _ = read(
         SglangLogReader,
@@ -217,7 +247,7 @@ def test_start_up_lines_fill_the_engine_facts() -> None:
 def test_other_tp_ranks_repeating_a_batch_are_not_counted_twice() -> None:
     line = "[2025-01-01 12:00:00 {}] Decode batch. #running-req: 2, #token: 10, token usage: 0.00, #queue-req: 0"
     steps, _, status = read(SglangLogReader, [line.format("TP0"), line.format("TP1")])
-    assert len(steps) == 1 and status["other_tp_rank_lines"] == 1
+    assert len(steps) == 1 and status["other_rank_lines"] == 1
 
 
 def test_time_only_stamps_roll_over_midnight() -> None:
@@ -235,8 +265,12 @@ def test_vllm_iteration_lines_become_steps(tmp_path: Path) -> None:
     assert [s["iteration"] for s in steps] == [515, 516, 517]
     for s in steps:
         assert s["phase"] == "decode" and s["decode_requests"] == 20 and s["decode_tokens"] == 20
-        assert s["prompt_tokens"] == 0 and s["dp_rank"] == 0 and s["t_source"] == "log"
-    assert steps[0]["t1"] - steps[0]["t0"] == pytest.approx(0.01099)
+        assert s["prompt_tokens"] == 0 and s["dp_rank"] == 0 and s["t_source"] == "estimated"
+    # Three steps logged in one second: spread inside it, in order, each its elapsed time long.
+    assert [round(s["t1"] - s["t0"], 5) for s in steps] == [0.01099, 0.01095, 0.01079]
+    assert (
+        0 < steps[0]["t1"] < steps[1]["t0"] < steps[1]["t1"] < steps[2]["t0"] < steps[2]["t1"] < 1
+    )
 
 
 def test_vllm_other_lines_are_skipped_and_newer_fields_read() -> None:
@@ -253,7 +287,8 @@ def test_vllm_other_lines_are_skipped_and_newer_fields_read() -> None:
     assert status["skipped"] == len(junk) and status["unreadable"] == 1
     (s,) = steps
     assert s["phase"] == "mixed" and s["prompt_tokens"] == 300 and s["prefill_requests"] == 2
-    assert s["kv"] == {"unit": "block", "usage": 0.125} and s["encoder_output_embeddings"] == 3520
+    assert s["kv"] == {"unit": "block", "device": "GPU", "usage": 0.125}
+    assert s["encoder_output_embeddings"] == 3520
 
 
 # ---- reading modes ----

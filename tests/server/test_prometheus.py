@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -30,9 +31,12 @@ def samples(m: EngineMetrics) -> dict[str, float]:
     return out
 
 
+_STEP_NUMBERS = itertools.count()  # consecutive, as the engine numbers its steps
+
+
 def step(t0: float, t1: float, items: list[tuple[int, str, int, int]], used: int = 10) -> Any:
     return {
-        "type": "step", "t0": t0, "t1": t1,
+        "type": "step", "step": next(_STEP_NUMBERS), "t0": t0, "t1": t1,
         "items": [{"uid": u, "kind": k, "start": a, "end": b} for u, k, a, b in items],
         "kv": {"total": 100, "used": used, "cached": 0, "free": 100 - used, "reserved": 0},
         "queue": {"waiting": 0, "running": 1},
@@ -101,6 +105,7 @@ def test_one_request_lifecycle() -> None:
     assert s["stepscope:request_success_total{finished_reason=length}"] == 1
     assert s["stepscope:num_requests_running{}"] == 0
     assert s["stepscope:decode_stall_seconds_count{}"] == 0  # every step included it
+    assert s["stepscope:decode_stall_max_seconds{}"] == 0
 
 
 def test_a_gap_with_a_step_that_skipped_the_request_is_a_stall() -> None:
@@ -118,6 +123,7 @@ def test_a_gap_with_a_step_that_skipped_the_request_is_a_stall() -> None:
     s = samples(m)
     assert s["stepscope:decode_stall_seconds_count{}"] == 1
     assert s["stepscope:decode_stall_seconds_sum{}"] == pytest.approx(0.9)
+    assert s["stepscope:decode_stall_max_seconds{}"] == pytest.approx(0.9)
     assert s["stepscope:inter_token_latency_seconds_count{}"] == 4
     assert s["stepscope:num_requests_running{}"] == 2
 

@@ -1,0 +1,61 @@
+"""The page's metric row is the shared fold's Summary over the steps in view, and says which
+steps those are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.derive import headline
+from instrumentation.fold import summarize_steps
+
+Message = dict[str, Any]
+
+
+def step(n: int, items: list[tuple[int, str, int, int]], dt: float = 0.1) -> Message:
+    return {
+        "type": "step", "step": n, "t0": n * dt, "t1": (n + 1) * dt, "phase": "x", "budget": 16,
+        "items": [{"uid": u, "kind": k, "start": a, "end": b} for u, k, a, b in items],
+        "kv": {"total": 100, "used": 10, "cached": 5, "free": 85, "reserved": 0},
+        "queue": {"waiting": 1, "running": 2},
+    }  # fmt: skip
+
+
+STEPS = [
+    step(0, [(0, "prefill", 0, 8)]),
+    step(1, [(0, "decode", 8, 9)]),
+    step(2, [(1, "chunk", 0, 16)]),
+    step(3, [(1, "chunk", 16, 32)]),
+    step(4, [(1, "prefill", 32, 48)]),
+    step(5, [(0, "decode", 9, 10), (1, "decode", 48, 49)]),
+]
+REQUESTS = [
+    {"uid": 0, "state": "running", "t_queued": 0.0, "t_first_token": 0.1},
+    {"uid": 1, "state": "running", "t_queued": 0.15, "t_first_token": 0.5},
+]
+
+
+def test_the_row_is_the_summary_of_the_steps_given() -> None:
+    h = headline(STEPS, REQUESTS)
+    s = summarize_steps(STEPS, REQUESTS)
+    assert h.summary == s
+    assert (h.ttft_p50, h.ttft_p99, h.itl_p50, h.itl_p99, h.itl_p999) == (
+        s.ttft_p50_s, s.ttft_p99_s, s.itl_p50_s, s.itl_p99_s, s.itl_p999_s,
+    )  # fmt: skip
+    assert (h.worst_stall, h.worst_stall_uid) == (s.worst_stall_s, 0)
+    assert h.worst_stall == pytest.approx(0.6 - 0.2)  # steps 2-4 ran without request 0
+    assert h.tokens_per_s == s.output_tok_s == pytest.approx(5 / 0.6)
+    assert (h.kv_used, h.kv_cached, h.running, h.waiting) == (0.10, 0.05, 2, 1)
+
+
+def test_the_row_says_what_it_covers() -> None:
+    assert headline(STEPS, REQUESTS).scope == "the whole run (steps 0–5)"
+    window = headline(STEPS[2:], REQUESTS)
+    assert window.scope == "the 4 steps in view (steps 2–5)"
+    assert window.worst_stall is None  # request 0's tokens around its stall are not both in view
+    assert window.ttft_p50 == pytest.approx(0.5 - 0.15)  # only request 1's first token is in view
+    recording = headline(STEPS[2:], REQUESTS, whole=True)
+    assert recording.scope == "the whole recording (steps 2–5)"
+    assert headline(STEPS[2:], REQUESTS, whole=False).scope.startswith("the 4 steps in view")
+    assert headline([], REQUESTS).scope == "no steps yet"
