@@ -221,7 +221,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=2000)
+    ap.add_argument("--max-tokens", type=int, default=400, help="each request's (then replaced)")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--runs", type=int, default=1, help="measurements in a row, same processes")
     ap.add_argument("--engine-args", default="", help="extra engine.server flags")
