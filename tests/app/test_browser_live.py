@@ -212,9 +212,12 @@ def test_the_page_keeps_up_with_the_engine_and_a_zoom_survives_live_updates(
             engine_rate, page_rate = (load.steps - s0) / span, drawn / span
             print(f"engine {engine_rate:.2f} steps/s, page {page_rate:.2f} updates/s")
             # the target is min(10, 0.8 x the engine's rate) (scripts/bench_live_page.py); a
-            # loaded CI machine gets a wide margin: half the engine's rate, or 3 a second
+            # loaded CI machine gets a wide margin: half the engine's rate, or 1.5 a second.
+            # This tiny model steps 25-50 times a second, so the page is bound by Streamlit's
+            # round trip: a shared 2-core machine at load 6-20 drew 1.9-3 updates a second; a
+            # page left to its charts' 1-second timer (no pulls answered) would draw one
             assert engine_rate > 0
-            assert page_rate >= min(3.0, 0.5 * engine_rate)
+            assert page_rate >= min(1.5, 0.5 * engine_rate)
             _zoom_survives_live_updates(page)
 
 
