@@ -383,6 +383,23 @@ def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_pat
                 other.press("Enter")
 
             act_until(enter_b, heading, again=lambda: heading.count() == 0)
+            # the comparison: two charts drawn whole by the component, on one x range, and
+            # zooming one zooms the other
+            compared = (
+                "[...document.querySelectorAll('.stepscope-live')]"
+                ".filter(r => r.querySelector('.sl-title').textContent)"
+                ".map(r => r.querySelector('.sl-timeline'))"
+            )
+            page.wait_for_function(
+                f"() => {{ const p = {compared}; return p.length === 2 && p.every(g => g._fullLayout); }}"
+            )
+            ranges = page.evaluate(f"() => {compared}.map(g => g._fullLayout.xaxis.range)")
+            assert ranges[0] == ranges[1]
+            page.evaluate(f"() => Plotly.relayout({compared}[0], {{'xaxis.range': [0.1, 0.3]}})")
+            page.wait_for_function(
+                f"() => {{ const r = {compared}[1]._fullLayout.xaxis.range; "
+                "return Math.abs(r[0] - 0.1) < 1e-9 && Math.abs(r[1] - 0.3) < 1e-9; }"
+            )
             open_b = page.get_by_role("button", name="Open B (mixed-16.jsonl) in the page")
             # the page now replays B: the sidebar names it, and the scrubber is at its end
             replaying = page.locator("[data-testid='stSidebar'] code", has_text="mixed-16.jsonl")

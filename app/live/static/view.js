@@ -217,8 +217,11 @@
         const full = gd._fullLayout && gd._fullLayout.xaxis;
         const zoomed = full && gd._stepscopeX === this.xmode && full.autorange === false;
         const range = zoomed ? full.range.slice() : null;
-        fig = timelineFigure(this.rec, axis, this.style, range, gd.clientWidth || this.el.clientWidth || 1200,
-          this.axes && this.axes[this.xmode]);
+        // fixed axes (compare): the common range first, then wherever the user (or the
+        // linked view) zoomed: a react with the fixed range again would undo the zoom
+        let fixed = this.axes && this.axes[this.xmode];
+        if (fixed && range) fixed = Object.assign({}, fixed, { x: range });
+        fig = timelineFigure(this.rec, axis, this.style, range, gd.clientWidth || this.el.clientWidth || 1200, fixed);
         fig.layout.uirevision = "timeline-" + this.xmode;
         gd._stepscopeX = this.xmode;
         this.lod = fig.detail ? "segments" : "totals";
