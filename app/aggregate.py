@@ -1,13 +1,11 @@
-"""Steps that carry counts, not request ids: an external engine watched through
+"""Figures for steps that carry counts, not request ids: an external engine watched through
 `python -m instrumentation.watch` (SGLang or vLLM logs, forward-pass metrics).
 
 Such a step has `source`, `items: []` and aggregate fields, each possibly absent
 (`prompt_tokens`, `cached_tokens`, `decode_requests`, `decode_tokens`, `queue`, `budget`,
-`kv.usage`, `gen_throughput`, `sample_of_steps`). `aggregate_step` reads them (None where absent:
-a gap, never a zero or an estimate); the live charts send them to the browser
-(app/live/encode.py), which draws them (app/live/static/aggregate.js), a decode line that
-summarises N steps as a sample of N steps, not as one step. The prefix cache's KV events (vLLM)
-are drawn here (`kv_events_figure`).
+`kv.usage`, `gen_throughput`, `sample_of_steps`). The figures draw only those fields: a missing
+value is a gap, never a zero or an estimate, and a decode line that summarises N steps is drawn
+as a sample of N steps, not as one step.
 """
 
 from __future__ import annotations
@@ -16,6 +14,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+import plotly.graph_objects as go
 
 from app.derive import Headline
 
@@ -27,6 +27,9 @@ NO_LANES_CAPTION = (
     "(or decode requests, where the log counts requests); ○ marks prompt tokens served from the "
     "prefix cache (not computed); ◆ marks a sample: one log line that summarises N steps."
 )
+PROMPT_COLOR = "#999"
+CACHED_COLOR = "#cfcfcf"
+DECODE_COLOR = "#555"
 
 
 def is_aggregate(step: Message) -> bool:
@@ -63,6 +66,27 @@ class AggregateStep:
         if self.decode_tokens is not None:
             return self.decode_tokens, "decode tokens"
         return self.decode_requests, "decode requests"
+
+    def hover(self) -> str:
+        parts = [f"step {self.step} · {self.phase}"]
+        if self.sample_of_steps and self.sample_of_steps > 1:
+            parts.append(f"sample of {self.sample_of_steps} steps")
+        for label, value in (
+            ("prompt tokens", self.prompt_tokens),
+            ("cached tokens", self.cached_tokens),
+            ("decode tokens", self.decode_tokens),
+            ("decode requests", self.decode_requests),
+            ("budget", self.budget),
+            ("waiting", self.waiting),
+            ("running", self.running),
+        ):
+            if value is not None:
+                parts.append(f"{label} {value:,}")
+        if self.kv_usage is not None:
+            parts.append(f"KV usage {self.kv_usage:.0%}")
+        if self.gen_throughput is not None:
+            parts.append(f"{self.gen_throughput:,.1f} gen tokens/s")
+        return "<br>".join(parts)
 
 
 def _int(value: Any) -> int | None:
@@ -122,6 +146,119 @@ def _line(name: str, xs: list, ys: list, hover: list[str], color: str, yaxis: st
     }
 
 
+def aggregate_figure(steps: Sequence[Message], x: str = "step") -> go.Figure:
+    """Batch composition, KV usage, queue and throughput per step, from aggregate fields only."""
+    rows = [aggregate_step(s) for s in steps]
+    xs = [r.t1 if x == "time" else r.step for r in rows]
+    hover = [r.hover() for r in rows]
+    decode = [r.decode_bar[0] for r in rows]
+    data: list[dict] = [
+        _bar("decode", xs, decode, hover, {"color": DECODE_COLOR}, "y"),
+        _bar(
+            "prompt tokens computed",
+            xs,
+            [r.prompt_tokens for r in rows],
+            hover,
+            {
+                "color": PROMPT_COLOR,
+                "pattern": {"shape": "/", "fillmode": "overlay", "fgcolor": "white"},
+            },
+            "y",
+        ),
+    ]
+    if any(r.cached_tokens for r in rows):
+        # Served from the prefix cache: not computed, so not stacked on the step's work.
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "prompt tokens served from cache (not computed)",
+                "x": xs,
+                "y": [r.cached_tokens for r in rows],
+                "yaxis": "y",
+                "marker": {"symbol": "circle-open", "size": 9, "color": "#4c78a8"},
+                "hovertext": hover,
+                "hoverinfo": "text",
+            }
+        )
+    samples = [(xv, r) for xv, r in zip(xs, rows, strict=True) if (r.sample_of_steps or 0) > 1]
+    if samples:
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "sample of N steps (one log line)",
+                "x": [xv for xv, _ in samples],
+                "y": [r.decode_bar[0] or 0 for _, r in samples],
+                "yaxis": "y",
+                "marker": {"symbol": "diamond", "size": 8, "color": "#222"},
+                "hovertext": [
+                    f"sample of {r.sample_of_steps} steps<br>{r.hover()}" for _, r in samples
+                ],
+                "hoverinfo": "text",
+            }
+        )
+    budgets = [r.budget for r in rows]
+    if any(b is not None for b in budgets):
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "budget (where logged)",
+                "x": xs,
+                "y": budgets,
+                "yaxis": "y",
+                "marker": {"symbol": "line-ew-open", "size": 14, "color": "#222"},
+                "hoverinfo": "skip",
+            }
+        )
+    panels = [("y", "tokens / requests")]
+    if any(r.kv_usage is not None for r in rows):
+        usage = [None if r.kv_usage is None else 100 * r.kv_usage for r in rows]
+        data.append(_line("KV usage %", xs, usage, hover, "#4c78a8", "y2"))
+        panels.append(("y2", "KV usage %"))
+    if any(r.waiting is not None or r.running is not None for r in rows):
+        axis = f"y{len(panels) + 1}"
+        data.append(_line("waiting", xs, [r.waiting for r in rows], hover, "#ff7f0e", axis))
+        data.append(_line("running", xs, [r.running for r in rows], hover, "#2ca02c", axis))
+        panels.append((axis, "queue (requests)"))
+    if any(r.gen_throughput is not None for r in rows):
+        axis = f"y{len(panels) + 1}"
+        tps = [r.gen_throughput for r in rows]
+        data.append(_line("gen tokens/s (logged)", xs, tps, hover, "#9467bd", axis))
+        panels.append((axis, "gen tokens/s"))
+    layout: dict[str, Any] = {
+        "height": 260 + 140 * len(panels),
+        "barmode": "stack",
+        "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
+        "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0, "xanchor": "left"},
+        "hovermode": "closest",
+        "uirevision": "stepscope",
+        # The shared x axis sits under the bottom panel.
+        "xaxis": {
+            "title": {"text": "engine time (s)" if x == "time" else "engine step"},
+            "anchor": panels[-1][0],
+        },
+    }
+    # Stack the panels top to bottom: the batch gets twice the height of each other panel.
+    weights = [2] + [1] * (len(panels) - 1)
+    gap, top = 0.04, 1.0
+    usable = 1.0 - gap * (len(panels) - 1)
+    for (axis, title), w in zip(panels, weights, strict=True):
+        h = usable * w / sum(weights)
+        name = "yaxis" if axis == "y" else f"yaxis{axis[1:]}"
+        layout[name] = {"title": {"text": title}, "domain": [max(0.0, top - h), top]}
+        if axis != "y":
+            layout[name]["anchor"] = "x"
+        top -= h + gap
+    if not rows:
+        layout["annotations"] = [
+            {"text": "No steps from the source yet.", "showarrow": False, "xref": "paper",
+             "yref": "paper", "x": 0.5, "y": 0.5}
+        ]  # fmt: skip
+    return go.Figure(data=data, layout=layout)
+
+
 def headline(steps: Sequence[Message], base: Headline) -> Headline:
     """The metric row for aggregate steps: the engine's own logged throughput and KV usage;
     stalls and per-request latencies are unknown (no request ids), not zero."""
@@ -155,7 +292,7 @@ def _step_at(times: list[float], steps: list[int], t: float) -> int:
 
 def kv_events_figure(
     kv_events: Sequence[Message], steps: Sequence[Message] = (), x: str = "step"
-) -> Any:
+) -> go.Figure:
     """Blocks held by the watched engine's prefix cache over time, from `kv_events` messages.
     In step mode each batch sits at the last step that ended before it was received (the
     aggregate figure's axis); with no steps, or in time mode, at its receive time."""
@@ -231,6 +368,4 @@ def kv_events_figure(
             {"text": "No KV events from the source yet.", "showarrow": False, "xref": "paper",
              "yref": "paper", "x": 0.5, "y": 0.5}
         ]  # fmt: skip
-    import plotly.graph_objects as go
-
     return go.Figure(data=data, layout=layout)

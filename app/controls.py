@@ -8,9 +8,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from instrumentation.protocol import ADMISSION_MODES as ADMISSIONS
 from instrumentation.protocol import POLICY_NAMES as POLICIES
 
-POLICY_LABELS = {"prefill_first": "prefill-first (chapter 10)", "mixed": "mixed (stall-free)"}
+# The seed chapter the page makes visible, named wherever the page cites it.
+CHAPTER = (
+    "“Chunked prefill”, *mini-sglang from Scratch*, Stage 2 "
+    "(“Scheduling it well: many requests at once”)"
+)
+POLICY_LABELS = {
+    "prefill_first": "prefill-first (the chapter's)",
+    "mixed": "mixed (stall-free)",
+}
+ADMISSION_LABELS = {
+    "reserve": "reserve (the chapter's)",
+    "optimistic": "optimistic (SGLang's)",
+}
+# why the head of the waiting queue was not admitted (a step's `queue.waiting_reason`)
+WAIT_REASON_TEXT = {
+    "budget": "budget: this step's prompt tokens are spent",
+    "kv": "kv: not enough free or evictable KV pages",
+    "max_running": "max_running: every running slot is taken",
+    "reserved": "reserved: pages are free but promised to admitted requests",
+}
 BUDGET_STEPS = tuple(2**k for k in range(14))  # 1, 2, 4, ... 8192
 MAX_COPIES = 64
 
@@ -25,8 +45,16 @@ def budget_options(current: int | None = None) -> list[int]:
     return sorted(stops)
 
 
-def set_config(max_extend_tokens: int | None = None, policy: str | None = None) -> Command:
+def set_config(
+    max_extend_tokens: int | None = None, policy: str | None = None, admission: str | None = None
+) -> Command:
     cmd: Command = {"type": "set_config"}
+    if admission is not None:
+        if admission not in ADMISSIONS:
+            raise ValueError(
+                f"Unknown admission {admission!r}; choose one of {', '.join(ADMISSIONS)}."
+            )
+        cmd["admission"] = admission
     if max_extend_tokens is not None:
         if int(max_extend_tokens) != max_extend_tokens or max_extend_tokens < 1:
             raise ValueError("max_extend_tokens must be a whole number ≥ 1.")

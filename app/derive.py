@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from instrumentation.fold import Summary, summarize_steps
+from instrumentation.fold import stalls as fold_stalls
 
 Message = dict[str, Any]
 
@@ -34,6 +35,10 @@ class Headline:
     itl_p999: float | None
     worst_stall: float | None
     worst_stall_uid: int | None
+    # running requests whose last token is older than the last step (a stall not yet ended:
+    # it counts as one when their next token comes), and the longest of those waits
+    stalled_now: int
+    stalled_now_s: float | None
     kv_used: float | None
     kv_cached: float | None
     running: int
@@ -59,7 +64,10 @@ def headline(
     """The metric row over the given steps and request records; `whole` as for `scope`.
     `worst_stall` is None when no request had a decode skipped between two of its tokens in
     these steps."""
-    s = summarize_steps(steps, requests)
+    rows = list(requests)
+    s = summarize_steps(steps, rows)
+    running = [int(r["uid"]) for r in rows if r.get("state") == "running"]
+    ongoing = [st.seconds for st in fold_stalls(steps, running) if st.ongoing]
     last = steps[-1] if steps else {}
     kv = last.get("kv") or {}
     total = kv.get("total") or 0
@@ -75,6 +83,8 @@ def headline(
         itl_p999=s.itl_p999_s,
         worst_stall=s.worst_stall_s,
         worst_stall_uid=s.worst_stall_uid,
+        stalled_now=len(ongoing),
+        stalled_now_s=max(ongoing, default=None),
         kv_used=kv.get("used", 0) / total if total else None,
         kv_cached=kv.get("cached", 0) / total if total else None,
         running=int(queue.get("running", 0)),

@@ -1,11 +1,15 @@
 """stepscope's dashboard: `streamlit run app/main.py`, then watch an engine schedule, step by step.
 
-The page is a thin protocol client (PROTOCOL.md): one background connection per app process
+The page is a thin protocol client (docs/protocol.md): one background connection per app process
 (`engine_link`, a cached resource) feeds every browser tab. The charts are one custom component
 (app/live) that draws in the browser and receives only the steps it does not have yet, as often
 as the browser asks (up to 5 times a second); the rest of the page (metrics, tables, the KV page
 map) refreshes once a second. If nothing answers at a local URL, the app starts
 `python -m engine.server --device auto`.
+
+This tab's state is app/session.py's (every session-state key, typed). What only a full
+run draws (the scheduling controls, the status line) is redrawn without a click: the fragments
+that refresh on their own ask for one full run when it changed (`page_outdated`).
 
 Environment: STEPSCOPE_URL (default ws://127.0.0.1:8765), STEPSCOPE_MODEL (default smollm2),
 STEPSCOPE_AUTOSTART (0 turns the auto-start off), STEPSCOPE_ENGINE_ARGS (extra server flags).
@@ -13,6 +17,7 @@ STEPSCOPE_AUTOSTART (0 turns the auto-start off), STEPSCOPE_ENGINE_ARGS (extra s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -25,17 +30,21 @@ if _ROOT not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import controls, external, panels, replay_ui, session, sidebar, workloads  # noqa: E402
+from app import controls, external, fleet_ui, panels, replay_ui, session, sidebar, workloads  # noqa: E402
 from app.client import EngineLink, valid_url  # noqa: E402
 from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
 from app.live.component import LIVE_EVERY_S  # noqa: E402
+from app.replay import ReplayLink  # noqa: E402
 
 DEFAULT_URL = os.environ.get("STEPSCOPE_URL", "ws://127.0.0.1:8765")
 MODEL = os.environ.get("STEPSCOPE_MODEL", "smollm2")
 AUTOSTART = os.environ.get("STEPSCOPE_AUTOSTART", "1") != "0"
 ENGINE_ARGS = tuple(shlex.split(os.environ.get("STEPSCOPE_ENGINE_ARGS", "")))
 REFRESH_S = sidebar.REFRESH_S
+# While the page waits on the engine (controls not drawn yet, a prompt held), it looks this often
+# whether the full page must be redrawn; once whole, this watch is not drawn at all.
+WATCH_S = 0.25
 # An external engine's OpenAI endpoint: `streamlit run app/main.py -- --openai-url URL` or env.
 OPENAI_URL = external.openai_url_from(sys.argv[1:], os.environ)
 
@@ -73,11 +82,37 @@ def _restart_engine(launcher: Launcher, url: str) -> None:
     launcher.restart(_argv(url))
 
 
-def page_mode(link: EngineLink) -> external.ExternalMode:
-    """Whether the engine is external (a watch) and what the page may send it."""
-    delta = link.store.delta(st.session_state.get("mode_cursor"), metrics=False)
-    st.session_state["mode_cursor"] = delta.cursor
-    return external.external_mode(delta.engine, OPENAI_URL)
+def page_mode(link: EngineLink | ReplayLink) -> external.ExternalMode:
+    """Whether the engine is external (a watch), or a recording stands in for it (a replay),
+    and what the page may send it."""
+    delta = link.store.delta(session.MODE_CURSOR.get(), metrics=False)
+    session.MODE_CURSOR.set(delta.cursor)
+    mode = external.external_mode(delta.engine, OPENAI_URL)
+    if isinstance(link, ReplayLink):
+        mode = dataclasses.replace(mode, replaying=link.source.recording.name)
+    return mode
+
+
+def page_outdated(link: EngineLink) -> bool:
+    """What the full page draws has changed since it last ran, and no fragment draws it: the
+    engine turned out external (or not), its config arrived (the scheduling controls), or a
+    held prompt reached it (its notice). The fragments that refresh on their own ask for one
+    full run then, so the page is whole without a click. Never during a full run: it draws the
+    page anyway, and a rerun would drop what started it (a form's Submit)."""
+    if session.FULL_RUN.get():
+        return False
+    return (
+        page_mode(link) != session.PAGE_MODE.get()
+        or session.controls_outdated(link)
+        or session.held_outdated()
+    )
+
+
+def redraw_when_outdated(link: EngineLink) -> None:
+    """Draws nothing: asks for the full page once what it shows is outdated (the first minute:
+    the engine's config arrived, a held prompt was sent)."""
+    if page_outdated(link):
+        st.rerun(scope="app")
 
 
 # ---- main area --------------------------------------------------------------------------------
@@ -87,8 +122,8 @@ def connection_panel(link: EngineLink, launcher: Launcher) -> None:
     """Loading progress, a lost engine, or a dead one, said plainly, with a way out."""
     url = link.url
     status = link.status()
-    if page_mode(link) != st.session_state.get("page_mode"):
-        st.rerun(scope="app")  # the engine turned out external (or not): redraw the controls
+    if page_outdated(link):
+        st.rerun(scope="app")  # the engine came up, or turned out external: redraw the controls
     proc = launcher.process
     if should_autostart(
         url, status.ever_connected, status.failed_attempts, AUTOSTART, proc is not None
@@ -131,9 +166,9 @@ def status_strip(link: EngineLink) -> None:
     snap = session.metrics_snapshot(link)
     panels.metrics_row(snap)
     panels.delivery_notice(snap)
-    for run in st.session_state.get("preset_runs", [])[-3:]:
+    for run in session.PRESET_RUNS.get()[-3:]:
         panels.run_line(run)
-    for posted in st.session_state.get("openai_submits", [])[-3:]:
+    for posted in session.OPENAI_SUBMITS.get()[-3:]:
         if not posted.done:
             st.caption(f":material/play_circle: sent to {posted.request.full_url}; waiting…")
         elif posted.error:
@@ -145,7 +180,7 @@ def status_strip(link: EngineLink) -> None:
 def openai_submit(mode: external.ExternalMode, command: dict, copies: int) -> None:
     """An external engine with an OpenAI endpoint: post the prompt there (a thread per copy)."""
     assert mode.openai_url is not None
-    posts = st.session_state.setdefault("openai_submits", [])
+    posts = session.OPENAI_SUBMITS.setdefault()
     for _ in range(copies):
         request = external.openai_request(
             mode.openai_url,
@@ -161,9 +196,12 @@ def openai_submit(mode: external.ExternalMode, command: dict, copies: int) -> No
 
 
 def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
-    if not mode.can_submit:
+    off = not mode.can_submit
+    if off:
         st.info("Submitting prompts: " + mode.disabled_note(), icon=":material/block:")
-        return
+        if mode.replaying is None:
+            return
+        # a replay keeps the form in view, disabled, so the page looks as it did live
     if mode.external:
         st.caption(
             f"Prompts go to the engine's OpenAI endpoint {mode.openai_url} over HTTP; their steps "
@@ -172,22 +210,38 @@ def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
     with st.form("prompt", border=True):
         text = st.text_area(
             "Prompt",
-            key="prompt_text",
+            key=session.PROMPT_TEXT.key,
             height=80,
             placeholder="Type a prompt, or pick a workload in the sidebar…",
+            disabled=off,
         )
         c = st.columns([1, 1, 1, 1, 1, 1.2])
-        max_tokens = c[0].number_input("max_tokens", min_value=1, value=64, key="max_tokens")
+        max_tokens = c[0].number_input(
+            "max_tokens", min_value=1, value=64, key=session.MAX_TOKENS.key, disabled=off
+        )
         temperature = c[1].number_input(
-            "temperature", min_value=0.0, value=0.0, step=0.1, key="temperature", help="0: greedy."
+            "temperature",
+            min_value=0.0,
+            value=0.0,
+            step=0.1,
+            key=session.TEMPERATURE.key,
+            help="0: greedy.",
+            disabled=off,
         )
         copies = c[2].number_input(
-            "copies", min_value=1, max_value=controls.MAX_COPIES, value=1, key="copies"
+            "copies",
+            min_value=1,
+            max_value=controls.MAX_COPIES,
+            value=1,
+            key=session.COPIES.key,
+            disabled=off,
         )
-        chat = c[3].toggle("chat template", value=True, key="chat")
-        ignore_eos = c[4].toggle("ignore EOS", value=False, key="ignore_eos")
-        submitted = c[5].form_submit_button("Submit", type="primary", width="stretch")
-    if not submitted:
+        chat = c[3].toggle("chat template", value=True, key=session.CHAT.key, disabled=off)
+        ignore_eos = c[4].toggle(
+            "ignore EOS", value=False, key=session.IGNORE_EOS.key, disabled=off
+        )
+        submitted = c[5].form_submit_button("Submit", type="primary", width="stretch", disabled=off)
+    if not submitted or off:
         return
     try:
         command = controls.submit(text or "", int(max_tokens), float(temperature), chat, ignore_eos)
@@ -202,15 +256,14 @@ def prompt_form(link: EngineLink, mode: external.ExternalMode) -> None:
         # The first minute: the engine is still loading. Hold the prompt and send it the moment
         # the engine is up, rather than refusing it.
         run = workloads.PresetRun(workloads.prompt_preset(commands)).start(link)
-        session.add_run(run)
-        session.notify(True, "The engine is starting: your prompt is held and sent once it is up.")
+        session.hold(run, "The engine is starting: your prompt is held and sent once it is up.")
         return
     session.submit_now(link, commands)
 
 
 def notices_line() -> None:
-    st.session_state.pop("notice_unshown", None)  # shown here, in this run
-    for ok, text in st.session_state.pop("unshown_toasts", []):
+    session.NOTICE_UNSHOWN.pop()  # shown here, in this run
+    for ok, text in session.UNSHOWN_TOASTS.pop():
         st.toast(text, icon=":material/check_circle:" if ok else ":material/error:")
     items = session.notices()
     if not items:
@@ -220,8 +273,14 @@ def notices_line() -> None:
 
 
 def external_area(link: EngineLink) -> None:
-    """A watched engine's prefix cache, from its KV events (its steps are in the live charts)."""
-    panels.kv_events_chart(session.view_snapshot(link))
+    """An external engine's aggregate steps (the live charts draw per-request items)."""
+    panels.external_charts(session.view_snapshot(link))
+
+
+def ranks_area(link: EngineLink) -> None:
+    """Each tensor-parallel rank's step time, when the engine's steps carry ranks."""
+    snap = session.view_snapshot(link, cap=panels.LATENCY_STEPS)
+    panels.ranks_view(snap.steps, snap.engine)
 
 
 def live_area(link: EngineLink) -> None:
@@ -239,7 +298,8 @@ def top_panels(link: EngineLink, launcher: Launcher) -> None:
 
 
 def lower_panels(link: EngineLink, abort_note: str | None = None) -> None:
-    """Below the charts: the detail tabs."""
+    """Below the charts: the tensor-parallel ranks (when steps carry them) and the detail tabs."""
+    ranks_area(link)
     detail_views(link, abort_note)
 
 
@@ -262,17 +322,35 @@ def detail_views(link: EngineLink, abort_note: str | None = None) -> None:
 
 def main() -> None:
     st.set_page_config(page_title="stepscope", page_icon="🔭", layout="wide")
+    session.settle_held()  # before any fragment asks whether the page is outdated
+    session.FULL_RUN.set(True)
+    try:
+        page()
+    finally:  # also when a rerun or an error ends this run early
+        session.FULL_RUN.set(False)
+
+
+def page() -> None:
+    """The whole page, drawn by a full run (the fragments then refresh their parts)."""
     target = engine_target()
     # Another tab may have changed the process's URL: show it here too.
-    if st.session_state.get("url") != target.url:
-        st.session_state["url"] = target.url
+    if session.URL.get() != target.url:
+        session.URL.set(target.url)
+    fleet, fleet_problem = fleet_ui.spec_for(target.url, sys.argv[1:], os.environ)
+    if fleet is not None or fleet_problem is not None:  # several engines: the fleet page
+        sidebar.render(None, target)
+        if fleet is None:
+            st.error(fleet_problem)
+            return
+        fleet_ui.render(fleet)
+        return
     problem = valid_url(target.url)
     replay = replay_ui.sidebar()  # an open recording stands in for the engine (app/replay_ui.py)
     link = replay or (None if problem else engine_link(target.url))
     launcher = engine_launcher()
     mode = page_mode(link) if link is not None else external.ExternalMode(False)
-    st.session_state["page_mode"] = mode
-    sidebar.render(link, target, mode)
+    session.PAGE_MODE.set(mode)
+    sidebar.render(link, target, mode, page_outdated)
 
     st.markdown("## :material/monitoring: stepscope")
     st.caption(
@@ -289,13 +367,16 @@ def main() -> None:
     # Few fragments, each doing several views' work: every fragment run is a turn of the one
     # script thread, which the live charts' pulls wait behind (issue 13: several updates a second)
     st.fragment(top_panels, run_every=REFRESH_S)(link, launcher)
+    if session.awaiting_engine():
+        st.fragment(redraw_when_outdated, run_every=WATCH_S)(link)
     prompt_form(link, mode)
     notices_line()
     replay_ui.panels()
-    abort_note = ("Abort: " + mode.disabled_note()) if mode.external else None
+    abort_note = None if mode.commands else "Abort: " + mode.disabled_note()
     if mode.external:
         st.fragment(external_area, run_every=every)(link)
-    st.fragment(live_area, run_every=LIVE_EVERY_S if session.is_live() else None)(link)
+    else:
+        st.fragment(live_area, run_every=LIVE_EVERY_S if session.is_live() else None)(link)
     st.fragment(lower_panels, run_every=every)(link, abort_note)
 
 

@@ -2,10 +2,9 @@
 
 Every chart of a stepscope engine's steps is the `app.live` component, drawn in the browser:
 live and replayed steps from new steps only, a compared recording whole, the sweep's trade-off
-plot; an external engine's aggregate steps and a tensor-parallel engine's ranks too. The other
-views draw from a bounded snapshot in fragments that rerun every second while their tab is open.
-A watched vLLM's KV events are the one plotly figure (app.aggregate), memoized on the data's
-version.
+plot. The other views draw from a bounded snapshot in fragments that rerun every second while
+their tab is open. An external engine's aggregate steps and tensor-parallel ranks are plotly
+figures (app.aggregate, app.ranks), memoized per tab on the data's version.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app import aggregate, compare, controls, session, sweep_view
+from app import aggregate, compare, controls, external, ranks, session, sweep_view
 from app.client import EngineLink, NotConnected
 from app.derive import headline
 from app.kvmap import PageMapStore
@@ -43,7 +42,7 @@ POLICY_CAPTIONS = {
     "prefill_first": (
         "Now **prefill-first**: a step runs one kind only, so no request decodes while a prompt "
         "is chunked (red): “there is no decode at all while the long prompt is being prefilled "
-        "in chunks” (chapter 10, *The cost*)."
+        "in chunks” (“Chunked prefill”, *mini-sglang from Scratch*, Stage 2, *The cost*)."
     ),
     "mixed": (
         "Now **mixed** (stall-free batching, Sarathi-Serve): every running request decodes one "
@@ -76,10 +75,6 @@ ITL_CAPTION = (
     "points** ended a stall: the request was running but steps ran without it. The tail of this "
     "is what a chatting user feels as a freeze."
 )
-RANKS_CAPTION = (
-    "Each tensor-parallel rank's forward time per step (solid) and its all-reduce share "
-    "(dotted): a rank whose line sits above the others is a straggler every other rank waits for."
-)
 SWEEP_CAPTION = (
     "One point per run, TTFT p50 against the tail you pick, one line per policy through its "
     "token budgets (labelled). Pooled ITL p99 hides stalls: a policy can have the lowest ITL p99 "
@@ -97,7 +92,7 @@ def _seconds(value: float | None) -> str:
 
 def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> None:
     """Draw a figure, rebuilding it only when its inputs changed since this tab last drew it."""
-    memo: dict[str, tuple[tuple, go.Figure]] = st.session_state.setdefault("figure_memo", {})
+    memo = session.FIGURE_MEMO.setdefault()
     hit = memo.get(name)
     if hit is None or hit[0] != key:
         hit = memo[name] = (key, build())
@@ -140,14 +135,19 @@ def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
             help=what,
         )
     worst = "–" if external else "none" if h.worst_stall is None else _seconds(h.worst_stall)
+    notes = [] if h.worst_stall_uid is None else [f"request {h.worst_stall_uid}"]
+    if h.stalled_now:
+        notes.append(f"{h.stalled_now} stalled now, {_seconds(h.stalled_now_s)}")
     cols[3].metric(
         "worst stall",
         worst,
-        delta=None if h.worst_stall_uid is None else f"request {h.worst_stall_uid}",
+        delta=" · ".join(notes) or None,
         delta_color="red",
         delta_arrow="off",
         help="The longest stall: a gap between two of a request's tokens during which at "
-        "least one step ran without it (docs/protocol.md).",
+        "least one step ran without it (docs/protocol.md). Stalled now: running requests "
+        "left out of the steps since their last token; their wait becomes a stall when their "
+        "next token comes.",
     )
     kv = "–" if h.kv_used is None else f"{h.kv_used:.1%}"
     cached = None if h.kv_cached is None else f"+ {h.kv_cached:.1%} cached"
@@ -184,9 +184,10 @@ def _last_step_note(last: Message) -> str:
 
 def delivery_notice(snap: Snapshot) -> None:
     """Say when the record is not the whole truth: lost messages, or a new engine."""
-    seen = st.session_state.setdefault("restarts_seen", snap.restarts)
-    if snap.restarts > seen:
-        st.session_state["restarts_seen"] = snap.restarts
+    seen = session.RESTARTS_SEEN.get()
+    if seen is None or snap.restarts > seen:
+        session.RESTARTS_SEEN.set(snap.restarts)
+    if seen is not None and snap.restarts > seen:
         session.notify(False, "The engine restarted: the page now shows the new engine's record.")
     if snap.lost:
         st.warning(
@@ -220,16 +221,12 @@ def _captions(policy: str | None) -> dict[str, str]:
         "kv": KV_CAPTION,
         "progress": PROGRESS_CAPTION,
         "latency": ITL_CAPTION,
-        "ranks": RANKS_CAPTION,
-        "aggregate": aggregate.NO_LANES_CAPTION,
     }
 
 
 def live_charts(link: EngineLink, hidden: bool = False) -> None:
     window = session.window_steps() or session.ALL_STEPS
-    opts = ViewOptions(
-        window=window, xmode=st.session_state.get("xmode", "step"), paused=not session.is_live()
-    )
+    opts = ViewOptions(window=window, xmode=session.XMODE.get(), paused=not session.is_live())
     _live_charts(link.store, "charts", opts, _captions, hidden=hidden)
 
 
@@ -289,6 +286,12 @@ def _abort(link: EngineLink, uid: int) -> None:
     )  # v1.1 acknowledges it
 
 
+def waiting_reason(steps: list[Message]) -> str | None:
+    """Why the head of the waiting queue was not admitted in the latest step (the protocol's
+    `queue.waiting_reason`; None when nothing waited)."""
+    return (steps[-1].get("queue") or {}).get("waiting_reason") if steps else None
+
+
 def request_source(record: Message) -> str:
     """Where a request came from: "http" (the OpenAI API), else the page's WebSocket."""
     return str(record.get("source") or "ws/page")
@@ -297,14 +300,24 @@ def request_source(record: Message) -> str:
 def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = None) -> None:
     """The requests table; `abort_note` (an external engine's reason) disables Abort."""
     live = [r for r in snap.requests if r.get("state") in ("waiting", "running")]
+    reason = waiting_reason(snap.steps)
+    if reason is not None and any(r.get("state") == "waiting" for r in live):
+        st.caption(
+            "Why requests wait: the head of the queue was not admitted in the last step for "
+            f"**{controls.WAIT_REASON_TEXT.get(reason, reason)}** (admission is FIFO: the "
+            "others wait behind it)."
+        )
     if live:
         st.markdown("**In flight**")
     for r in live:
         uid = int(r["uid"])
         color = request_color(uid)
         c1, c2, c3 = st.columns([1.2, 6, 1])
+        state = str(r["state"])
+        if state == "waiting" and reason is not None:
+            state += f" ({reason})"
         c1.markdown(
-            f"<span style='color:{color};font-weight:600'>■ req {uid}</span> · {r['state']}",
+            f"<span style='color:{color};font-weight:600'>■ req {uid}</span> · {state}",
             unsafe_allow_html=True,
         )
         done = int(r.get("output_len") or 0)
@@ -332,6 +345,8 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
                 "uid": r["uid"],
                 "source": request_source(r),
                 "state": r.get("state"),
+                "waits for": reason if r.get("state") == "waiting" else None,
+                "retracted": r.get("retractions") or 0,
                 "prompt": r.get("prompt_len"),
                 "cached": r.get("cached_len"),
                 "output": r.get("output_len"),
@@ -348,19 +363,57 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
 # ---- external engines and tensor-parallel ranks -----------------------------------------------
 
 
-def kv_events_chart(snap: Snapshot) -> None:
-    """A watched vLLM's prefix cache from its KV events (the one chart the live component does
-    not draw: KV events are not steps)."""
-    if not snap.kv_events:
-        return
-    xmode = st.session_state.get("xmode", "step")
-    st.markdown("**Prefix cache (KV events)**")
-    st.caption(aggregate.KV_EVENTS_CAPTION)
-    last = snap.kv_events[-1].get("kv_seq")
+def external_charts(snap: Snapshot) -> None:
+    """An external engine's steps: one lane per data-parallel rank (a filter keeps one rank in
+    every figure), aggregate composition, KV usage, queue, throughput, and its KV events."""
+    xmode = session.XMODE.get()
+    ranks_seen = external.dp_ranks(snap.steps, snap.kv_events)
+    rank = None
+    if len(ranks_seen) > 1:
+        choice = st.radio("Data-parallel rank", [external.ALL_RANKS, *ranks_seen],
+                          horizontal=True, key="dp_rank_filter")  # fmt: skip
+        rank = None if choice == external.ALL_RANKS else int(choice)
+    steps, kv = external.of_rank(snap.steps, rank), external.of_rank(snap.kv_events, rank)
+    for note in (external.time_note(steps), external.kv_gap_note(kv)):
+        if note:
+            st.caption(note)
+    chart("rank_lanes", _memo_key(snap, xmode, rank),
+          lambda: external.rank_lanes_figure(steps, xmode))  # fmt: skip
+    st.caption(aggregate.NO_LANES_CAPTION)
     chart(
-        "kv_events",
-        _memo_key(snap, xmode, len(snap.kv_events), last),
-        lambda: aggregate.kv_events_figure(snap.kv_events, snap.steps, xmode),
+        "aggregate",
+        _memo_key(snap, xmode, rank),
+        lambda: aggregate.aggregate_figure(steps, xmode),
+    )
+    if kv:
+        st.markdown("**Prefix cache (KV events)**")
+        st.caption(aggregate.KV_EVENTS_CAPTION)
+        last = kv[-1].get("kv_seq")
+        chart(
+            "kv_events",
+            _memo_key(snap, xmode, len(kv), last, rank),
+            lambda: aggregate.kv_events_figure(kv, steps, xmode),
+        )
+        hits = external.kv_hit_rate_figure(kv)
+        if hits is not None:
+            chart("kv_hit_rate", _memo_key(snap, len(kv), last, rank), lambda: hits)
+
+
+def ranks_view(steps: Sequence[Message], engine: dict | None) -> None:
+    """Each tensor-parallel rank's forward time per step (drawn only when steps carry ranks)."""
+    if not any(s.get("ranks") for s in steps):
+        return
+    tp = ranks.tp_caption(engine or {}) or "tensor parallel"
+    numbers, series = ranks.rank_series(steps)
+    slow = ranks.slowest_rank(series)
+    note = "" if slow is None else f" · slowest on average: rank {slow}"
+    st.markdown(f"**Ranks** ({tp}{note})")
+    st.caption(
+        "Forward time per rank per step (solid) and its all-reduce share (dotted): a rank whose "
+        "line sits above the others is a straggler every other rank waits for."
+    )
+    chart(
+        "ranks", (len(steps), numbers[-1] if numbers else None), lambda: ranks.ranks_figure(steps)
     )
 
 
@@ -385,7 +438,11 @@ def compare_charts(a: compare.Side, b: compare.Side, xmode: str) -> None:
 
 def sweep_chart(sweep: sweep_view.SweepFolder, on_select: Callable[[], None]) -> None:
     """The sweep's trade-off plot; a click on a point calls `on_select` (the run it names is
-    `sweep_view.selected_run(sweep, st.session_state["sweep_chart"])`)."""
+    `sweep_view.selected_run(sweep, session.SWEEP_CHART.get())`)."""
     sweep_plot(
-        "sweep_chart", sweep_view.points(sweep), sweep.title, SWEEP_CAPTION, on_select=on_select
+        session.SWEEP_CHART.key,
+        sweep_view.points(sweep),
+        sweep.title,
+        SWEEP_CAPTION,
+        on_select=on_select,
     )

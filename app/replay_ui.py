@@ -22,21 +22,12 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from app import compare, sweep_view
+from app import compare, session, sweep_view
 from app import panels as views
 from app.replay import MAX_SPEED, MIN_SPEED, Recording, ReplayLink, ReplaySource, open_recording
 
-SOURCE = "replay_source"
-COMPARE = "replay_compare"
-SWEEP = "replay_sweep"
-PENDING = "replay_pending"  # a recording to open before the widgets are drawn
-ERROR = "replay_error"
-SPEEDS = (1, 2, 5, 10, 20, 50)
+SPEEDS = session.SPEEDS
 PLAY_REFRESH_S = 0.5
-# per-tab view state that belongs to the previous source (app.session, app.live): a new source
-# starts them afresh, as a new engine would
-VIEW_KEYS = ("live_feeds", "live_sent_policy", "facts_cursor", "frozen", "inspect",
-             "figure_memo", "recording_batches", "synced_config", "restarts_seen")  # fmt: skip
 assert MIN_SPEED == SPEEDS[0] and MAX_SPEED == SPEEDS[-1]
 
 
@@ -49,16 +40,10 @@ def trace_argument(argv: list[str] | None = None) -> str | None:
 
 
 def source() -> ReplaySource | None:
-    return st.session_state.get(SOURCE)
+    return session.REPLAY_SOURCE.get()
 
 
 # ---- opening and closing (callbacks, or before any widget is drawn) -----------------------------
-
-
-def _reset_views() -> None:
-    for key in VIEW_KEYS:
-        st.session_state.pop(key, None)
-    st.session_state["live"] = True
 
 
 def open_source(recording: Recording) -> ReplaySource:
@@ -68,78 +53,78 @@ def open_source(recording: Recording) -> ReplaySource:
         old.pause()
     src = ReplaySource(recording)
     src.seek_end()
-    st.session_state[SOURCE] = src
-    st.session_state.pop(ERROR, None)
+    session.REPLAY_SOURCE.set(src)
+    session.REPLAY_ERROR.pop()
     if recording.last_step is not None:
-        st.session_state["replay_step"] = recording.last_step
-    _reset_views()
+        session.REPLAY_STEP.set(recording.last_step)
+    session.reset_views()
     return src
 
 
 def close_source() -> None:
-    old = st.session_state.pop(SOURCE, None)
+    old = session.REPLAY_SOURCE.pop()
     if old is not None:
         old.pause()
-    _reset_views()
+    session.reset_views()
 
 
 def _load(what: str, path_or_file: Any) -> Recording | None:
     try:
         return open_recording(path_or_file)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        st.session_state[ERROR] = f"{what}: {exc}"
+        session.REPLAY_ERROR.set(f"{what}: {exc}")
         return None
 
 
 def _on_open_path() -> None:
-    path = str(st.session_state.get("replay_path") or "").strip()
+    path = str(session.REPLAY_PATH.get() or "").strip()
     if path and (rec := _load("Open recording", Path(path).expanduser())) is not None:
         open_source(rec)
 
 
 def _on_upload() -> None:
-    upload = st.session_state.get("replay_upload")
+    upload = session.REPLAY_UPLOAD.get()
     if upload is not None and (rec := _load("Open recording", upload)) is not None:
         open_source(rec)
 
 
 def _on_compare_path() -> None:
-    path = str(st.session_state.get("compare_path") or "").strip()
+    path = str(session.COMPARE_PATH.get() or "").strip()
     if path and (rec := _load("Compare with", Path(path).expanduser())) is not None:
-        st.session_state[COMPARE] = rec
-        st.session_state.pop(ERROR, None)
+        session.REPLAY_COMPARE.set(rec)
+        session.REPLAY_ERROR.pop()
 
 
 def _on_compare_upload() -> None:
-    upload = st.session_state.get("compare_upload")
+    upload = session.COMPARE_UPLOAD.get()
     if upload is not None and (rec := _load("Compare with", upload)) is not None:
-        st.session_state[COMPARE] = rec
-        st.session_state.pop(ERROR, None)
+        session.REPLAY_COMPARE.set(rec)
+        session.REPLAY_ERROR.pop()
 
 
 def _on_sweep_path() -> None:
-    path = str(st.session_state.get("sweep_path") or "").strip()
+    path = str(session.SWEEP_PATH.get() or "").strip()
     try:
-        st.session_state[SWEEP] = sweep_view.load(path)
-        st.session_state.pop(ERROR, None)
+        session.REPLAY_SWEEP.set(sweep_view.load(path))
+        session.REPLAY_ERROR.pop()
     except (OSError, ValueError) as exc:
-        st.session_state[ERROR] = f"Open sweep folder: {exc}"
+        session.REPLAY_ERROR.set(f"Open sweep folder: {exc}")
 
 
 def _open_compared() -> None:
     """Make the comparison's B the replayed recording (its timeline in every view)."""
-    rec = st.session_state.get(COMPARE)
+    rec = session.REPLAY_COMPARE.get()
     src = source()
     if rec is None:
         return
     if src is not None:  # what was shown becomes the other side of the comparison
-        st.session_state[COMPARE] = src.recording
+        session.REPLAY_COMPARE.set(src.recording)
     open_source(rec)
 
 
 def _on_sweep_select() -> None:
-    sweep = st.session_state.get(SWEEP)
-    event = st.session_state.get("sweep_chart")
+    sweep = session.REPLAY_SWEEP.get()
+    event = session.SWEEP_CHART.get()
     path = sweep_view.selected_run(sweep, event) if sweep is not None else None
     if path is not None and (rec := _load("Open run", path)) is not None:
         open_source(rec)
@@ -150,9 +135,9 @@ def _on_sweep_select() -> None:
 
 def sidebar() -> ReplayLink | None:
     """The "Recording" section; returns the replay's link while a recording is open."""
-    pending = st.session_state.pop(PENDING, None)
-    if pending is None and not st.session_state.get("replay_argv_done"):
-        st.session_state["replay_argv_done"] = True
+    pending = None
+    if not session.REPLAY_ARGV_DONE.get():  # `--trace FILE`: opened once, when the tab opens
+        session.REPLAY_ARGV_DONE.set(True)
         pending = trace_argument()
     if pending is not None and (rec := _load("Open recording", Path(pending))) is not None:
         open_source(rec)
@@ -170,31 +155,31 @@ def sidebar() -> ReplayLink | None:
                       help="Back to the engine connection.", width="stretch")  # fmt: skip
         st.text_input(
             "Open recording",
-            key="replay_path",
+            key=session.REPLAY_PATH.key,
             on_change=_on_open_path,
             placeholder="path/to/trace.jsonl",
             help="A `--trace` JSONL from the server, or this page's Trace (JSONL) download.",
         )
-        st.file_uploader("…or upload one", type=["jsonl", "json"], key="replay_upload",
+        st.file_uploader("…or upload one", type=["jsonl", "json"], key=session.REPLAY_UPLOAD.key,
                          on_change=_on_upload, label_visibility="collapsed")  # fmt: skip
-        with st.expander("Compare with…", expanded=st.session_state.get(COMPARE) is not None):
+        with st.expander("Compare with…", expanded=session.REPLAY_COMPARE.get() is not None):
             st.text_input(
                 "Second recording",
-                key="compare_path",
+                key=session.COMPARE_PATH.key,
                 on_change=_on_compare_path,
                 placeholder="path/to/other.jsonl",
             )
-            st.file_uploader("…or upload it", type=["jsonl", "json"], key="compare_upload",
+            st.file_uploader("…or upload it", type=["jsonl", "json"], key=session.COMPARE_UPLOAD.key,
                              on_change=_on_compare_upload, label_visibility="collapsed")  # fmt: skip
-        with st.expander("Open sweep folder", expanded=st.session_state.get(SWEEP) is not None):
+        with st.expander("Open sweep folder", expanded=session.REPLAY_SWEEP.get() is not None):
             st.text_input(
                 "Sweep folder",
-                key="sweep_path",
+                key=session.SWEEP_PATH.key,
                 on_change=_on_sweep_path,
                 placeholder="DIR of python -m engine.bench --workload sweep --out DIR",
             )
-        if st.session_state.get(ERROR):
-            st.error(st.session_state[ERROR])
+        if error := session.REPLAY_ERROR.get():
+            st.error(error)
     src = source()
     return ReplayLink(src) if src is not None else None
 
@@ -205,7 +190,7 @@ def sidebar() -> ReplayLink | None:
 def _on_scrub() -> None:
     src = source()
     if src is not None:
-        src.seek(int(st.session_state["replay_step"]))
+        src.seek(int(session.REPLAY_STEP.get() or 0))
 
 
 def _on_play() -> None:
@@ -217,27 +202,27 @@ def _on_play() -> None:
         return
     if src.at_end and src.recording.first_step is not None:  # play again from the start
         src.seek(src.recording.first_step)
-    src.play(float(st.session_state.get("replay_speed", SPEEDS[0])))
+    src.play(float(session.REPLAY_SPEED.get()))
 
 
 def _on_speed() -> None:
     src = source()
     if src is not None:
-        src.set_speed(float(st.session_state["replay_speed"]))
+        src.set_speed(float(session.REPLAY_SPEED.get()))
 
 
 def _player(src: ReplaySource) -> None:
     rec = src.recording
-    if src.playing or st.session_state.get("replay_step") is None:
+    if src.playing or session.REPLAY_STEP.get() is None:
         step = src.current_step
-        st.session_state["replay_step"] = step if step is not None else rec.first_step
+        session.REPLAY_STEP.set(step if step is not None else rec.first_step)
     cols = st.columns([7, 1.2, 2.2])
     if rec.num_steps >= 2:
         cols[0].slider(
             "Step",
             min_value=rec.first_step,
             max_value=rec.last_step,
-            key="replay_step",
+            key=session.REPLAY_STEP.key,
             on_change=_on_scrub,
             help="Show the recording as it stood when this step had run.",
         )
@@ -249,8 +234,8 @@ def _player(src: ReplaySource) -> None:
         on_click=_on_play,
         width="stretch",
     )
-    st.session_state.setdefault("replay_speed", SPEEDS[0])
-    cols[2].select_slider("Speed", options=SPEEDS, key="replay_speed", on_change=_on_speed,
+    session.REPLAY_SPEED.setdefault()
+    cols[2].select_slider("Speed", options=SPEEDS, key=session.REPLAY_SPEED.key, on_change=_on_speed,
                           format_func=lambda v: f"{v}×")  # fmt: skip
     state = "playing" if src.playing else "at the end" if src.at_end else "paused"
     st.caption(
@@ -279,7 +264,7 @@ def _fmt(value: Any) -> Any:
 
 
 def comparison() -> None:
-    rec_b = st.session_state.get(COMPARE)
+    rec_b = session.REPLAY_COMPARE.get()
     if rec_b is None:
         return
     src = source()
@@ -291,13 +276,13 @@ def comparison() -> None:
     a, b = compare.side(src.recording), compare.side(rec_b)
     rows = [{k: _fmt(v) for k, v in r.items()} for r in compare.table(a, b)]
     st.dataframe(pd.DataFrame(rows), hide_index=True, key="compare_table")
-    views.compare_charts(a, b, xmode=st.session_state.get("xmode", "time"))
+    views.compare_charts(a, b, xmode=session.XMODE.get())
     st.button(f"Open B ({rec_b.name}) in the page", key="compare_open_b",
               on_click=_open_compared)  # fmt: skip
 
 
 def sweep_panel() -> None:
-    sweep = st.session_state.get(SWEEP)
+    sweep = session.REPLAY_SWEEP.get()
     if sweep is None:
         return
     st.markdown("### Sweep")

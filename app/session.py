@@ -1,60 +1,252 @@
-"""Per-browser-tab state: what this tab shows (live or paused, window, x axis) and its notices.
+"""This tab's state: every `st.session_state` key of the page, and what is built on them.
 
-The engine link and its store are shared by every tab; this module holds only what differs
-between tabs, in `st.session_state`. Reads of the store here are bounded: a redraw copies the
-steps it draws (at most `cap`), and engine facts come from a per-tab cursor, so a long history
-is not copied several times a second.
+`st.session_state` is reached here and nowhere else (a test checks it). Each key is a typed
+`Field` named below, widget keys included (`key=session.URL.key`): a key is spelled once, and
+what it holds says so. The engine link and its store are shared by every tab; this module holds
+only what differs between tabs: what the tab shows (live or paused, window, x axis), its
+notices, its cursors into the store, and the open recording.
+
+Reads of the store here are bounded: a redraw copies the steps it draws (at most `cap`), and
+engine facts come from a per-tab cursor, so a long history is not copied several times a second.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import streamlit as st
 
 from app import controls
 from app.client import EngineLink, NotConnected
 from app.state import Message, Snapshot
-from app.workloads import PresetRun
+from app.workloads import PROMPT_PRESET, PresetRun
+
+if TYPE_CHECKING:
+    pass
 
 WINDOWS: tuple[int | str, ...] = (100, 250, 500, 1000, 2000, 5000, "all")
 DEFAULT_WINDOW = 500
+DEFAULT_BUDGET = 256
 ALL_STEPS = 20_000  # "all": what the store keeps
 METRIC_STEPS = 200  # the metric row summarizes the newest steps (bounded: it runs every second)
 MAX_NOTICES = 6
 MAX_RUNS = 4
+SPEEDS = (1, 2, 5, 10, 20, 50)  # replay speeds (app.replay's MIN_SPEED..MAX_SPEED)
+
+T = TypeVar("T")
+
+
+class Field(Generic[T]):
+    """One key of this tab's `st.session_state`, with its type and its default.
+
+    `get()` reads it (the default if unset, without storing it); `setdefault()` stores the
+    default first (for containers the caller mutates, and widgets that need a value); `set`,
+    `pop`, `present` as their names say. A widget is bound with `key=FIELD.key`."""
+
+    __slots__ = ("key", "_default", "_factory")
+
+    def __init__(
+        self, key: str, default: T | None = None, factory: Callable[[], T] | None = None
+    ) -> None:
+        self.key = key
+        self._default = default
+        self._factory = factory
+
+    def _new(self) -> T:
+        if self._factory is not None:
+            return self._factory()
+        return self._default  # type: ignore[return-value]  # None for an optional field
+
+    def get(self) -> T:
+        ss = st.session_state
+        return ss[self.key] if self.key in ss else self._new()
+
+    def setdefault(self) -> T:
+        return st.session_state.setdefault(self.key, self._new())
+
+    def set(self, value: T) -> None:
+        st.session_state[self.key] = value
+
+    def pop(self) -> T:
+        return st.session_state.pop(self.key, self._new())
+
+    def present(self) -> bool:
+        return self.key in st.session_state
+
+
+# ---- the keys ---------------------------------------------------------------------------------
+
+# the engine
+URL = Field[str]("url", "")  # widget: the engine URL every tab follows
+PAGE_MODE = Field["ExternalMode | None"]("page_mode")  # what the last full run drew for
+MODE_CURSOR = Field["int | None"]("mode_cursor")
+FACTS_CURSOR = Field["int | None"]("facts_cursor")
+CONTROLS_WAITING = Field[bool]("controls_waiting", False)  # drawn without the engine's config
+FULL_RUN = Field[bool]("full_run", False)  # a full page run is under way (not a fragment's)
+# the prompt form's widgets
+PROMPT_TEXT = Field[str]("prompt_text", "")
+MAX_TOKENS = Field[int]("max_tokens", 64)
+TEMPERATURE = Field[float]("temperature", 0.0)
+COPIES = Field[int]("copies", 1)
+CHAT = Field[bool]("chat", True)
+IGNORE_EOS = Field[bool]("ignore_eos", False)
+# scheduling: the widgets, the config they were synced to, and what this tab set
+BUDGET_SLIDER = Field[int]("budget_slider", DEFAULT_BUDGET)
+BUDGET_EXACT = Field[int]("budget_exact", DEFAULT_BUDGET)
+POLICY = Field[str]("policy", controls.POLICIES[0])
+ADMISSION = Field[str]("admission", controls.ADMISSIONS[0])
+SYNCED_CONFIG = Field["dict[str, Any] | None"]("synced_config")
+OWN_CONFIGS = Field["list[tuple[dict[str, Any], float]]"]("own_configs", factory=list)
+# a control's value from before a sync, and when it was replaced: (value, monotonic time)
+STALE = {
+    "max_extend_tokens": Field["tuple[Any, float] | None"]("stale_max_extend_tokens"),
+    "policy": Field["tuple[Any, float] | None"]("stale_policy"),
+    "admission": Field["tuple[Any, float] | None"]("stale_admission"),
+}
+# notices and runs
+NOTICES = Field["list[Notice]"]("notices", factory=list)
+NOTICE_UNSHOWN = Field[bool]("notice_unshown", False)
+UNSHOWN_TOASTS = Field["list[tuple[bool, str]]"]("unshown_toasts", factory=list)
+PRESET_RUNS = Field["list[PresetRun]"]("preset_runs", factory=list)
+OPENAI_SUBMITS = Field["list[OpenAISubmit]"]("openai_submits", factory=list)
+CLEAR = Field[bool]("clear_history", False)  # the button
+# the view
+LIVE = Field[bool]("live", True)  # widget
+WINDOW = Field["int | str"]("window", DEFAULT_WINDOW)  # widget
+XMODE = Field[str]("xmode", "step")  # widget
+FROZEN = Field["Snapshot | None"]("frozen")  # the copy shown while paused
+TAB_BOOKS = Field["dict[int, TabBook]"]("tab_books", factory=dict)
+TEXT_RECORDS = Field["dict[int, Message]"]("text_records", factory=dict)
+TEXT_CURSOR = Field["int | None"]("text_cursor")
+FIGURE_MEMO = Field["dict[str, tuple[tuple, Any]]"]("figure_memo", factory=dict)
+RESTARTS_SEEN = Field["int | None"]("restarts_seen")
+LIVE_FEEDS = Field["dict[str, LiveFeed]"]("live_feeds", factory=dict)
+LIVE_SEEN = Field["dict[str, tuple[Any, list]]"]("live_seen", factory=dict)
+LIVE_SENT_POLICY = Field["dict[str, Any]"]("live_sent_policy", factory=dict)
+# a recording's batches for the live component, by view: (what they were built from, batch)
+RECORDING_BATCHES = Field["dict[str, tuple[tuple, dict]]"]("recording_batches", factory=dict)
+# replay, compare and sweep (app/replay_ui.py)
+REPLAY_SOURCE = Field["ReplaySource | None"]("replay_source")
+REPLAY_COMPARE = Field["Recording | None"]("replay_compare")
+REPLAY_SWEEP = Field["SweepFolder | None"]("replay_sweep")
+REPLAY_ERROR = Field["str | None"]("replay_error")
+REPLAY_ARGV_DONE = Field[bool]("replay_argv_done", False)  # `--trace FILE` was opened once
+REPLAY_PATH = Field[str]("replay_path", "")  # widgets from here on
+REPLAY_UPLOAD = Field[Any]("replay_upload")
+COMPARE_PATH = Field[str]("compare_path", "")
+COMPARE_UPLOAD = Field[Any]("compare_upload")
+SWEEP_PATH = Field[str]("sweep_path", "")
+SWEEP_CHART = Field[Any]("sweep_chart")  # the trade-off plot's selection event
+REPLAY_STEP = Field["int | None"]("replay_step")
+REPLAY_SPEED = Field[int]("replay_speed", SPEEDS[0])
+
+# what belongs to the shown source (the engine, or a recording): a new one starts them afresh,
+# as a new engine would
+VIEW_FIELDS: tuple[Field[Any], ...] = (
+    LIVE_FEEDS, LIVE_SENT_POLICY, FACTS_CURSOR, FROZEN, FIGURE_MEMO, RECORDING_BATCHES,
+    SYNCED_CONFIG, RESTARTS_SEEN,
+)  # fmt: skip
+
+
+def component_value(key: str) -> Any:
+    """A component's value, stored under its own key by Streamlit (the live charts' pulls)."""
+    return st.session_state.get(key)
+
+
+def reset_views() -> None:
+    """Forget what the tab drew of the previous source, and show the new one live."""
+    for field in VIEW_FIELDS:
+        field.pop()
+    LIVE.set(True)
 
 
 @dataclass(frozen=True)
 class Notice:
+    """A command's outcome on this tab's status line. A `held` notice stands while its run waits
+    for the engine to come up; once the run has reached the engine, `settle_held` replaces it
+    with what became of it."""
+
     ok: bool
     text: str
+    held: PresetRun | None = None
 
 
 def notices() -> list[Notice]:
-    return st.session_state.setdefault("notices", [])
+    return NOTICES.setdefault()
 
 
-def notify(ok: bool, text: str, toast: bool = False) -> None:
+def notify(ok: bool, text: str, toast: bool = False, held: PresetRun | None = None) -> None:
     """Record a command's outcome for this tab's status line. `toast` repeats it in the corner,
     for controls far below that line (Abort): a toast elsewhere would cover the form's Submit
-    button, and one under the pointer never expires."""
+    button, and one under the pointer never expires. `held`: see `Notice`."""
     items = notices()
-    items.append(Notice(ok, text))
+    items.append(Notice(ok, text, held))
     del items[:-MAX_NOTICES]
     if toast:
-        unshown = st.session_state.get("unshown_toasts", [])
-        st.session_state["unshown_toasts"] = [*unshown, (ok, text)]
+        UNSHOWN_TOASTS.set([*UNSHOWN_TOASTS.get(), (ok, text)])
     # The status line lives outside the fragments: a control inside one (Abort) reruns only its
     # fragment, which then asks for the whole page (`show_notices_now`).
-    st.session_state["notice_unshown"] = True
+    NOTICE_UNSHOWN.set(True)
+
+
+def hold(run: PresetRun, text: str) -> None:
+    """A run waiting for the engine (a prompt or workload sent before it was up): say so until
+    it has reached the engine."""
+    add_run(run)
+    notify(True, text, held=run)
+
+
+def _settled(notice: Notice) -> Notice | None:
+    """What a held notice becomes once its run reached the engine (None: still held)."""
+    run = notice.held
+    if run is None:
+        return None
+    if run.errors:
+        return Notice(False, f"{run.preset.title}: {'; '.join(run.errors)}")
+    if run.preset.key == PROMPT_PRESET and run.finished:
+        uids = ", ".join(map(str, run.uids))
+        return Notice(True, f"submitted: request {uids} (held until the engine was up)")
+    if run.preset.key != PROMPT_PRESET and run.done_actions > 0:
+        return Notice(True, f"workload “{run.preset.title}” started (the engine is up)")
+    return None
+
+
+def held_outdated() -> bool:
+    """A held notice on the page whose run has since reached the engine."""
+    return any(_settled(n) is not None for n in notices())
+
+
+def settle_held() -> None:
+    """At the start of a full page run: replace held notices whose runs reached the engine."""
+    items = notices()
+    for k, notice in enumerate(items):
+        if (settled := _settled(notice)) is not None:
+            items[k] = settled
+
+
+def awaiting_engine() -> bool:
+    """This run drew the page before the engine was ready for it: the scheduling controls are
+    missing, or a notice says a prompt or workload is held."""
+    return CONTROLS_WAITING.get() or any(n.held is not None for n in notices())
+
+
+def controls_waiting(waiting: bool) -> None:
+    """The full page drew the sidebar without the scheduling controls (no engine config yet)."""
+    CONTROLS_WAITING.set(waiting)
+
+
+def controls_outdated(link: EngineLink) -> bool:
+    """The page was drawn before the engine's config arrived, and it has arrived since: the
+    controls the full page draws are missing until it runs again."""
+    return CONTROLS_WAITING.get() and engine_facts(link)[1] is not None
 
 
 def show_notices_now() -> None:
     """In a fragment: if a control in it left a notice, rerun the page so the notice shows."""
-    if st.session_state.pop("notice_unshown", False):
+    if NOTICE_UNSHOWN.pop():
         st.rerun()
 
 
@@ -93,17 +285,17 @@ def submit_now(link: EngineLink, commands: list[Message]) -> None:
 
 
 def add_run(run: PresetRun) -> None:
-    runs = st.session_state.setdefault("preset_runs", [])
+    runs = PRESET_RUNS.setdefault()
     runs.append(run)
     del runs[:-MAX_RUNS]
 
 
 def is_live() -> bool:
-    return bool(st.session_state.get("live", True))
+    return bool(LIVE.get())
 
 
 def window_steps() -> int | None:
-    window = st.session_state.get("window", DEFAULT_WINDOW)
+    window = WINDOW.get()
     return None if window == "all" else int(window)
 
 
@@ -112,14 +304,10 @@ def view_snapshot(link: EngineLink, cap: int | None = None) -> Snapshot:
     n = window_steps()
     if cap is not None:
         n = cap if n is None else min(n, cap)
-    frozen: Snapshot | None = st.session_state.get("frozen")
+    frozen = FROZEN.get()
     if is_live() or frozen is None:
         return link.store.snapshot(last_steps=n)
-    inspect = st.session_state.get("inspect")
-    if inspect is not None:
-        steps = [s for s in frozen.steps if inspect[0] <= s["step"] <= inspect[1]]
-    else:
-        steps = frozen.steps if n is None else frozen.steps[-n:] if n > 0 else []
+    steps = frozen.steps if n is None else frozen.steps[-n:] if n > 0 else []
     return Snapshot(steps, frozen.requests, frozen.engine, frozen.config, frozen.version,
                     kv_events=frozen.kv_events)  # fmt: skip
 
@@ -170,12 +358,12 @@ class TabBook:
 
 
 def book(link: EngineLink) -> TabBook:
-    books: dict[int, TabBook] = st.session_state.setdefault("tab_books", {})
+    books = TAB_BOOKS.setdefault()
     return books.setdefault(id(link.store), TabBook()).refresh(link.store)
 
 
 def metrics_snapshot(link: EngineLink) -> Snapshot:
-    frozen: Snapshot | None = st.session_state.get("frozen")
+    frozen = FROZEN.get()
     if not is_live() and frozen is not None:
         return view_snapshot(link, cap=METRIC_STEPS)
     return book(link).snapshot()
@@ -183,11 +371,11 @@ def metrics_snapshot(link: EngineLink) -> Snapshot:
 
 def requests_snapshot(link: EngineLink) -> list[Message]:
     """The records with their text (the output view), read through this tab's cursor."""
-    seen: dict[int, Message] = st.session_state.setdefault("text_records", {})
-    delta = link.store.delta(st.session_state.get("text_cursor"), metrics=True)
+    seen = TEXT_RECORDS.setdefault()
+    delta = link.store.delta(TEXT_CURSOR.get(), metrics=True)
     if delta.reset:
         seen.clear()
-    st.session_state["text_cursor"] = delta.cursor
+    TEXT_CURSOR.set(delta.cursor)
     for rec in delta.requests:
         seen.pop(int(rec["uid"]), None)
         seen[int(rec["uid"])] = rec
@@ -199,15 +387,14 @@ def requests_snapshot(link: EngineLink) -> list[Message]:
 def engine_facts(link: EngineLink) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The engine's description and config, read through this tab's cursor: the cost is what
     arrived since the last read, not the history."""
-    delta = link.store.delta(st.session_state.get("facts_cursor"), metrics=False)
-    st.session_state["facts_cursor"] = delta.cursor
+    delta = link.store.delta(FACTS_CURSOR.get(), metrics=False)
+    FACTS_CURSOR.set(delta.cursor)
     return delta.engine or {}, delta.config
 
 
 def freeze(link: EngineLink) -> None:
     """The live toggle's callback: pausing keeps a copy so charts stop changing under the mouse."""
     if is_live():
-        st.session_state["frozen"] = None
-        st.session_state.pop("inspect", None)
+        FROZEN.set(None)
     else:
-        st.session_state["frozen"] = link.store.snapshot()
+        FROZEN.set(link.store.snapshot())

@@ -7,6 +7,7 @@ sidebar then shows the engine's config, so a change made elsewhere (a preset, an
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import streamlit as st
 
@@ -15,8 +16,9 @@ from app.client import EngineLink
 from app.external import ExternalMode
 
 REFRESH_S = 1.0
-DEFAULT_BUDGET = 256
+DEFAULT_BUDGET = session.DEFAULT_BUDGET
 STALE_S = 3.0  # how long a value from before a sync may still come back from the browser
+OWN_ENGINE = ExternalMode(False)  # an engine of our own: every control acts
 
 
 class Target:
@@ -27,7 +29,7 @@ class Target:
 
 
 def _on_url(target: Target) -> None:
-    target.url = str(st.session_state["url"]).strip()
+    target.url = str(session.URL.get()).strip()
 
 
 # ---- callbacks (run before the script, so widget state can still be changed) -----------------
@@ -44,11 +46,12 @@ def _apply_config(link: EngineLink, **fields: object) -> None:
         synced = {
             "max_extend_tokens": reply.get("max_extend_tokens"),
             "policy": reply.get("policy"),
+            "admission": reply.get("admission"),
         }
-        st.session_state["synced_config"] = synced
+        session.SYNCED_CONFIG.set(synced)
         # what this tab set, newest last: the store may still show an older one of them for a
         # moment (it folds the broadcasts on another thread), which must not undo a newer press
-        mine = st.session_state.setdefault("own_configs", [])
+        mine = session.OWN_CONFIGS.setdefault()
         mine.append((synced, time.monotonic()))
         del mine[:-8]
 
@@ -57,51 +60,60 @@ def _stale(field: str, value: object) -> bool:
     """A value the controls showed before they were synced to the engine's config, sent back by
     a rerun the browser started before the sync reached it (the live charts rerun their
     fragment several times a second). It is not the user's choice: put the synced one back."""
-    old = st.session_state.get(f"stale_{field}")
+    old = session.STALE[field].get()
     if old is None or old[0] != value or time.monotonic() - old[1] > STALE_S:
         return False
-    synced = st.session_state.get("synced_config") or {}
+    synced = session.SYNCED_CONFIG.get() or {}
     if field == "max_extend_tokens":
-        st.session_state["budget_exact"] = st.session_state["budget_slider"] = synced[field]
+        session.BUDGET_EXACT.set(synced[field])
+        session.BUDGET_SLIDER.set(synced[field])
+    elif field == "admission":
+        session.ADMISSION.set(synced[field])
     else:
-        st.session_state["policy"] = synced[field]
+        session.POLICY.set(synced[field])
     return True
 
 
 def _on_budget_slider(link: EngineLink) -> None:
-    value = int(st.session_state["budget_slider"])
+    value = int(session.BUDGET_SLIDER.get())
     if _stale("max_extend_tokens", value):
         return
-    st.session_state["budget_exact"] = value
+    session.BUDGET_EXACT.set(value)
     _apply_config(link, max_extend_tokens=value)
 
 
 def _on_budget_exact(link: EngineLink) -> None:
-    value = int(st.session_state["budget_exact"])
+    value = int(session.BUDGET_EXACT.get())
     if _stale("max_extend_tokens", value):
         return
-    st.session_state["budget_slider"] = value
+    session.BUDGET_SLIDER.set(value)
     _apply_config(link, max_extend_tokens=value)
 
 
 def _on_policy(link: EngineLink) -> None:
-    if _stale("policy", st.session_state["policy"]):
+    if _stale("policy", session.POLICY.get()):
         return
-    _apply_config(link, policy=st.session_state["policy"])
+    _apply_config(link, policy=session.POLICY.get())
+
+
+def _on_admission(link: EngineLink) -> None:
+    if _stale("admission", session.ADMISSION.get()):
+        return
+    _apply_config(link, admission=session.ADMISSION.get())
 
 
 def _start_preset(link: EngineLink, preset: workloads.Preset) -> None:
-    session.add_run(workloads.PresetRun(preset).start(link))
+    run = workloads.PresetRun(preset).start(link)
     if link.status().state == "connected":
+        session.add_run(run)
         session.notify(True, f"workload “{preset.title}” started")
     else:
-        session.notify(True, f"workload “{preset.title}” held: it starts once the engine is up")
+        session.hold(run, f"workload “{preset.title}” held: it starts once the engine is up")
 
 
 def _clear(link: EngineLink) -> None:
     link.store.clear()
-    st.session_state["frozen"] = link.store.snapshot() if not session.is_live() else None
-    st.session_state.pop("inspect", None)
+    session.FROZEN.set(link.store.snapshot() if not session.is_live() else None)
     session.notify(True, "history cleared (the engine keeps running)")
 
 
@@ -110,32 +122,38 @@ def _clear(link: EngineLink) -> None:
 
 def _sync_controls(config: dict | None) -> None:
     """Make the controls show the engine's config when it changed elsewhere (preset, other tab)."""
-    ss = st.session_state
-    ss.setdefault("budget_exact", DEFAULT_BUDGET)
-    ss.setdefault("budget_slider", ss["budget_exact"])
-    ss.setdefault("policy", controls.POLICIES[0])
-    if config and config.get("max_extend_tokens") and ss.get("synced_config") != config:
+    exact = session.BUDGET_EXACT.setdefault()
+    if not session.BUDGET_SLIDER.present():
+        session.BUDGET_SLIDER.set(exact)
+    policy = session.POLICY.setdefault()
+    admission = session.ADMISSION.setdefault()
+    if config and config.get("max_extend_tokens") and session.SYNCED_CONFIG.get() != config:
         if _lagging(config):
             return
-        ss["synced_config"] = dict(config)
+        session.SYNCED_CONFIG.set(dict(config))
         now = time.monotonic()
         budget = int(config["max_extend_tokens"])
-        if ss["budget_exact"] != budget:
-            ss["stale_max_extend_tokens"] = (ss["budget_exact"], now)
-        ss["budget_exact"] = ss["budget_slider"] = budget
+        if exact != budget:
+            session.STALE["max_extend_tokens"].set((exact, now))
+        session.BUDGET_EXACT.set(budget)
+        session.BUDGET_SLIDER.set(budget)
         if config.get("policy") in controls.POLICIES:
-            if ss["policy"] != config["policy"]:
-                ss["stale_policy"] = (ss["policy"], now)
-            ss["policy"] = config["policy"]
+            if policy != config["policy"]:
+                session.STALE["policy"].set((policy, now))
+            session.POLICY.set(config["policy"])
+        if config.get("admission") in controls.ADMISSIONS:
+            if admission != config["admission"]:
+                session.STALE["admission"].set((admission, now))
+            session.ADMISSION.set(config["admission"])
 
 
 def _lagging(config: dict) -> bool:
     """The engine's config as the store shows it is one this tab set before its latest change,
     and that change is recent: the store has not folded the newer broadcast yet."""
-    mine = st.session_state.get("own_configs") or []
+    mine = session.OWN_CONFIGS.get()
     if len(mine) < 2 or time.monotonic() - mine[-1][1] > STALE_S:
         return False
-    shown = {"max_extend_tokens": config.get("max_extend_tokens"), "policy": config.get("policy")}
+    shown = {k: config.get(k) for k in ("max_extend_tokens", "policy", "admission")}
     return any(shown == cfg for cfg, _ in mine[:-1]) and shown != mine[-1][0]
 
 
@@ -169,7 +187,15 @@ def engine_line(engine: dict) -> str:
     )
 
 
-def connection_badge(link: EngineLink) -> None:
+def connection_badge(
+    link: EngineLink, outdated: Callable[[EngineLink], bool], replaying: str | None = None
+) -> None:
+    if outdated(link):  # the engine came up since the page was drawn: draw it whole, once
+        st.rerun(scope="app")
+    if replaying is not None:  # the page shows a recording: no engine is connected to it
+        st.markdown(":gray[●] **no engine** · replaying a recording")
+        st.caption("The engine URL is used again once the recording is closed.")
+        return
     status = link.status()
     engine, _ = session.engine_facts(link)
     if status.state == "connected":
@@ -183,26 +209,41 @@ def connection_badge(link: EngineLink) -> None:
         st.caption("Engine starting or unreachable: prompts and workloads are held until it is up.")
 
 
-def render(link: EngineLink | None, target: Target, mode: ExternalMode | None = None) -> None:
+def render(
+    link: EngineLink | None,
+    target: Target,
+    mode: ExternalMode = OWN_ENGINE,
+    outdated: Callable[[EngineLink], bool] = lambda link: False,
+) -> None:
+    """The sidebar. `outdated(link)` says the page was drawn before something the full page
+    shows (the engine's config, a held prompt sent): the badge's fragment then redraws it."""
     with st.sidebar:
         st.subheader("Engine")
         st.text_input(
             "Engine URL",
-            key="url",
+            key=session.URL.key,
             on_change=_on_url,
             args=(target,),
-            help="A stepscope engine server (PROTOCOL.md); every tab of this app follows it.",
+            help="A stepscope engine server (docs/protocol.md); every tab of this app follows it.",
         )
         if link is None:
             return
-        st.fragment(connection_badge, run_every=REFRESH_S * 2)(link)
+        # what this run draws, noted before the badge's fragment asks whether it is outdated
+        config = session.engine_facts(link)[1]
+        waiting = not config and not session.SYNCED_CONFIG.present()
+        session.controls_waiting(waiting and mode.commands)
+        st.fragment(connection_badge, run_every=REFRESH_S)(link, outdated, mode.replaying)
 
         st.subheader("Scheduling")
-        config = session.engine_facts(link)[1]
-        if mode is not None and mode.external:
+        if mode.replaying is not None:
+            # A recording's budget and policy, as they stood at the step shown: read-only.
+            st.caption("Budget and policy: " + mode.disabled_note())
+            if config:
+                _scheduling_controls(link, config, disabled=True)
+        elif mode.external:
             # A watched engine takes no commands: say so instead of showing dead controls.
             st.caption("Budget and policy: " + mode.disabled_note())
-        elif not config and "synced_config" not in st.session_state:
+        elif waiting:
             # Until the engine says what it runs, controls would show made-up values (and send
             # them): say why they are not there yet.
             st.caption("Engine starting… the scheduling controls appear once it is connected.")
@@ -211,45 +252,64 @@ def render(link: EngineLink | None, target: Target, mode: ExternalMode | None = 
         _workloads_and_view(link, mode)
 
 
-def _scheduling_controls(link: EngineLink, config: dict | None) -> None:
+def _scheduling_controls(link: EngineLink, config: dict | None, disabled: bool = False) -> None:
     _sync_controls(config)
     left, right = st.columns([3, 1.3])
     left.select_slider(
         "max_extend_tokens",
-        options=controls.budget_options(st.session_state["budget_exact"]),
-        key="budget_slider",
+        options=controls.budget_options(session.BUDGET_EXACT.get()),
+        key=session.BUDGET_SLIDER.key,
         on_change=_on_budget_slider,
         args=(link,),
         help="Prompt tokens per step (the chunk size). Applies from the next step.",
+        disabled=disabled,
     )
     right.number_input(
         "exact",
         min_value=1,
         step=1,
-        key="budget_exact",
+        key=session.BUDGET_EXACT.key,
         on_change=_on_budget_exact,
         args=(link,),
         help="Any exact budget ≥ 1.",
+        disabled=disabled,
     )
     st.radio(
         "Policy",
         controls.POLICIES,
         format_func=controls.POLICY_LABELS.__getitem__,
-        key="policy",
+        key=session.POLICY.key,
         on_change=_on_policy,
         args=(link,),
         captions=[
             "one kind per step: decode waits while a prompt is chunked",
             "decodes ride along in every step; prompts get the rest",
         ],
+        help=f"prefill-first is the policy of {controls.CHAPTER}; mixed is Sarathi-Serve's "
+        "stall-free batching.",
+        disabled=disabled,
+    )
+    st.radio(
+        "Admission",
+        controls.ADMISSIONS,
+        format_func=controls.ADMISSION_LABELS.__getitem__,
+        key=session.ADMISSION.key,
+        on_change=_on_admission,
+        args=(link,),
+        captions=[
+            "every page a request may need is promised: nothing is ever retracted",
+            "outputs are estimated; when decode runs out of pages, requests are retracted",
+        ],
+        help="reserve is the chapter's rule; optimistic is SGLang's new_token_ratio. Applies "
+        "from the next step; admitted requests keep their promise.",
+        disabled=disabled,
     )
 
 
-def _workloads_and_view(link: EngineLink, mode: ExternalMode | None = None) -> None:
+def _workloads_and_view(link: EngineLink, mode: ExternalMode) -> None:
     st.subheader("Workloads")
-    external = mode is not None and mode.external
-    if external:
-        st.caption("Workloads: " + mode.disabled_note())  # type: ignore[union-attr]
+    if not mode.commands:
+        st.caption("Workloads: " + mode.disabled_note())
     for preset in workloads.PRESETS:
         st.button(
             preset.title,
@@ -258,24 +318,33 @@ def _workloads_and_view(link: EngineLink, mode: ExternalMode | None = None) -> N
             on_click=_start_preset,
             args=(link, preset),
             width="stretch",
-            disabled=external,
+            disabled=not mode.commands,
         )
 
     st.subheader("View")
-    st.session_state.setdefault("live", True)
+    session.LIVE.setdefault()
     st.toggle(
         "Live",
-        key="live",
+        key=session.LIVE.key,
         on_change=session.freeze,
         args=(link,),
         help="Pause to freeze the charts: zoom and hover without updates undoing it.",
     )
-    st.session_state.setdefault("window", session.DEFAULT_WINDOW)
-    st.select_slider("Steps in view", options=session.WINDOWS, key="window")
-    st.radio("x axis", ("step", "time"), key="xmode", horizontal=True)
+    session.WINDOW.setdefault()
+    st.select_slider("Steps in view", options=session.WINDOWS, key=session.WINDOW.key)
+    st.radio("x axis", ("step", "time"), key=session.XMODE.key, horizontal=True)
 
     st.subheader("Session")
-    st.button("Clear history", on_click=_clear, args=(link,), width="stretch")
+    replaying = mode.replaying is not None
+    st.button(
+        "Clear history",
+        key=session.CLEAR.key,
+        on_click=_clear,
+        args=(link,),
+        width="stretch",
+        disabled=replaying,
+        help=mode.disabled_note() if replaying else "Forget the steps shown (the engine runs on).",
+    )
     left, right = st.columns(2)
     left.download_button(
         "Trace (JSONL)",

@@ -1,4 +1,6 @@
-"""Workload presets: scripted sequences of protocol commands that make the chapter visible.
+"""Workload presets: scripted sequences of protocol commands that make the seed chapter visible
+(“Chunked prefill”, *mini-sglang from Scratch*, Stage 2, “Scheduling it well: many requests at
+once”).
 
 A preset is data (`Submit`, `SetConfig`, `AwaitTokens`); `PresetRun` plays one in a background
 thread through the engine link, so the page stays responsive while it waits for tokens.
@@ -18,6 +20,7 @@ from app.state import EventStore, Message
 
 _LIVE = frozenset({"waiting", "running"})
 _RUNS = itertools.count(1)
+PROMPT_PRESET = "prompt"  # the key of the page's own prompt played as a preset
 ENGINE_WAIT_S = 900.0  # a first start converts the model; that can take minutes
 
 
@@ -43,9 +46,10 @@ class Submit:
 class SetConfig:
     max_extend_tokens: int | None = None
     policy: str | None = None
+    admission: str | None = None
 
     def command(self) -> Message:
-        return controls.set_config(self.max_extend_tokens, self.policy)
+        return controls.set_config(self.max_extend_tokens, self.policy, self.admission)
 
 
 @dataclass(frozen=True)
@@ -155,10 +159,25 @@ PRESETS: tuple[Preset, ...] = (
         ),
     ),
     Preset(
+        "pressure",
+        "KV pressure",
+        "Sixteen long answers (160 tokens each) at once, for a small KV pool: start the engine "
+        "with STEPSCOPE_ENGINE_ARGS='--num-pages 640'. Under reserve admission each request is "
+        "promised all 160 output pages, so three or four run at a time, the rest wait "
+        "(reason: reserved) and the pool never fills. Under optimistic admission more run at "
+        "once, the pool hits full, and requests are retracted (red markers) and recomputed "
+        "later: more tokens per second, but the retracted ones wait longer.",
+        tuple(
+            Submit(p, max_tokens=160, chat=True, ignore_eos=True, fresh=True)
+            for p in (*CHAT_PROMPTS, *SHORT_QUESTIONS)
+        ),
+    ),
+    Preset(
         "chapter",
         "The chapter's example",
-        "Budget 16, prefill-first, and the chapter's three prompts (max_tokens=3): a 58-token "
-        "prompt cut into 16-token chunks, the next request chunked behind it.",
+        "Budget 16, prefill-first, and the three prompts of " + controls.CHAPTER + " "
+        "(max_tokens=3): a 58-token prompt cut into 16-token chunks, the next request chunked "
+        "behind it.",
         (
             SetConfig(max_extend_tokens=16, policy="prefill_first"),
             *(Submit(p, max_tokens=3, ignore_eos=True) for p in CHAPTER_PROMPTS),
@@ -172,7 +191,7 @@ def prompt_preset(commands: list[Message]) -> Preset:
     """The page's own prompt (and its copies) as a preset, so it can wait for the engine."""
     first = commands[0]
     return Preset(
-        "prompt",
+        PROMPT_PRESET,
         "Your prompt" + (f" ×{len(commands)}" if len(commands) > 1 else ""),
         first["prompt"][:80],
         tuple(

@@ -22,6 +22,7 @@ from engine.models.config import ModelConfig
 from engine.models.loader import build_model, load_tokenizer, read_config, resolve
 from engine.models.parallel import SINGLE
 from engine.runner import ModelRunner
+from engine.scheduler.admission import NewTokenRatio
 from engine.scheduler.scheduler import Scheduler
 from instrumentation.errors import InvalidRequest
 
@@ -169,8 +170,10 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineParts:
         batch_invariant=cfg.batch_invariant,
         tp_size=cfg.tp_size,
     )
+    ratio = NewTokenRatio.scaled(cfg.schedule_conservativeness, cfg.new_token_ratio_decay_steps)
+    scheduler = Scheduler(kv, ratio)
     return EngineParts(
-        cfg, info, device, dtype, mcfg, tokenizer, model, pool, table, kv, Scheduler(kv), runner,
+        cfg, info, device, dtype, mcfg, tokenizer, model, pool, table, kv, scheduler, runner,
         leader, frozenset(eos),
     )  # fmt: skip
 

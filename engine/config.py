@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypeVar
 
 from instrumentation.errors import InvalidRequest
-from instrumentation.protocol import CACHE_TYPES, POLICY_NAMES
+from instrumentation.protocol import ADMISSION_MODES, CACHE_TYPES, POLICY_NAMES
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton")
 DEVICES = ("cpu", "cuda", "auto")
@@ -63,16 +63,26 @@ def check_policy(v: object) -> str:
     return v  # type: ignore[return-value]
 
 
+def check_admission(v: object) -> str:
+    if v not in ADMISSION_MODES:
+        raise InvalidRequest(
+            f"unknown admission {v!r}; expected one of {', '.join(ADMISSION_MODES)}"
+        )
+    return v  # type: ignore[return-value]
+
+
 @dataclass(frozen=True, slots=True)
 class LiveConfig:
     """What a user may change while the engine runs; every step reads one snapshot."""
 
     max_extend_tokens: int
     policy: str
+    admission: str = "reserve"
 
     def __post_init__(self) -> None:
         check_budget(self.max_extend_tokens)
         check_policy(self.policy)
+        check_admission(self.admission)
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -129,6 +139,21 @@ class EngineConfig:
     policy: str = setting(
         "prefill_first", "the scheduling policy (live)", choices=POLICY_NAMES, noun="policy"
     )
+    admission: str = setting(
+        "reserve",
+        "reserve: promise every page a request may need; optimistic: estimate its outputs "
+        "(SGLang's new_token_ratio) and retract running requests when decode runs short (live)",
+        choices=ADMISSION_MODES,
+        noun="admission",
+    )
+    schedule_conservativeness: float = setting(
+        1.0,
+        "optimistic admission: scales the estimate of future outputs (SGLang's)",
+        parse=float,
+    )
+    new_token_ratio_decay_steps: int = setting(
+        600, "optimistic admission: steps over which the estimate decays to its floor"
+    )
     page_size: int | None = setting(
         None, "tokens per KV page (default: 16 on CUDA, for fewer and larger pages; 1 on CPU)"
     )
@@ -173,6 +198,9 @@ class EngineConfig:
             raise InvalidRequest(
                 f"batch_invariant runs the triton attention backend, not {self.attention_backend!r}"
             )
+        c = self.schedule_conservativeness
+        if isinstance(c, bool) or not isinstance(c, int | float) or not 0 < c < float("inf"):
+            raise InvalidRequest(f"schedule_conservativeness must be a number > 0, got {c!r}")
         if self.tp_size > 1 and self.batch_invariant:
             # an all-reduce's summation order depends on the message size (NCCL picks its
             # algorithm by size), so a row's sum would depend on the batch again
@@ -197,7 +225,7 @@ class EngineConfig:
         return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
 
     def live(self) -> LiveConfig:
-        return LiveConfig(self.max_extend_tokens, self.policy)
+        return LiveConfig(self.max_extend_tokens, self.policy, self.admission)
 
     def resolve(self, cuda_available: bool) -> EngineConfig:
         """The device-dependent defaults filled in: device (no "auto"), dtype, page_size,

@@ -5,7 +5,8 @@ Decode is launch-bound: one step is hundreds of small kernels, and launching the
 Python costs more than running them. A graph launches them all at once. A batch is padded to the
 next captured size; the padding rows decode token 0 at position 0 and write their K and V into a
 spare page that the allocator never hands out, so they touch no request's cache. Mixed and
-prefill steps, whose shapes change every step, run eagerly.
+prefill steps, whose shapes change every step, replay the piecewise graphs of
+engine.piecewise_graph instead.
 """
 
 from __future__ import annotations

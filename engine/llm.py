@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.build import EngineInfo, build_engine
-from engine.config import EngineConfig, LiveConfig, check_budget, check_policy
+from engine.config import EngineConfig, LiveConfig, check_admission, check_budget, check_policy
 from engine.kvcache.manager import KVSnapshot, pages_for
 from engine.request import RequestState
 from engine.step import Command, Hooks, StepPipeline
@@ -94,13 +94,22 @@ class LLM:
 
     def config_dict(self) -> dict[str, Any]:
         live = self.pipeline.live
-        return {"max_extend_tokens": live.max_extend_tokens, "policy": live.policy}
+        return {
+            "max_extend_tokens": live.max_extend_tokens,
+            "policy": live.policy,
+            "admission": live.admission,
+        }
 
     def kv_stats(self) -> KVStats:
         return self.pipeline.kv_stats()
 
     def queue_stats(self) -> QueueStats:
         return self.pipeline.queue_stats()
+
+    @property
+    def num_retractions(self) -> int:
+        """Requests retracted since the start (optimistic admission)."""
+        return self.scheduler.num_retractions
 
     def kv_map(self) -> dict[str, Any]:
         """The pool page by page, each page's owner named (engine thread, between steps)."""
@@ -163,6 +172,10 @@ class LLM:
         step. Work handed to another thread there (the server's events) runs while the device
         computes, instead of taking the GIL from the engine thread while it schedules."""
         self.hooks.wait.append(fn)
+
+    def remove_wait_hook(self, fn: Callable[[], None]) -> None:
+        """Stop calling fn (added by `add_wait_hook`); ValueError if it was not added."""
+        self.hooks.wait.remove(fn)
 
     # -- commands (any thread) -----------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -255,18 +268,26 @@ class LLM:
             self._inbox.append(("abort", uid))
 
     def set_config(
-        self, max_extend_tokens: int | None = None, policy: str | None = None
+        self,
+        max_extend_tokens: int | None = None,
+        policy: str | None = None,
+        admission: str | None = None,
     ) -> dict[str, Any]:
-        """Change the budget and/or the policy from the next step on; invalid values change nothing."""
+        """Change the budget, the policy and/or the admission mode from the next step on;
+        invalid values change nothing. Requests already admitted keep the promise they were
+        admitted with (reserve: all their pages; optimistic: their prompt's)."""
         if max_extend_tokens is not None:
             check_budget(max_extend_tokens)
         if policy is not None:
             check_policy(policy)
+        if admission is not None:
+            check_admission(admission)
         with self._lock:
             cur = self.pipeline.live
             self.pipeline.live = LiveConfig(
                 cur.max_extend_tokens if max_extend_tokens is None else max_extend_tokens,
                 cur.policy if policy is None else policy,
+                cur.admission if admission is None else admission,
             )
         return self.config_dict()
 

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Captured token counts: fine steps where a padded token is a large share of the step
-    (at most a third padded above 128 tokens, an eighth above 1,024)."""
+    """Captured token counts: powers of two and halfway points to 128, then every 64 to 1,024,
+    then every 256. A step pads fewer than 64 tokens from 128 to 1,024 tokens (under half of a
+    129-token step) and fewer than 256 beyond (under a quarter)."""
     sizes = [8, 16, 32, 48, 64, 96, 128]
     sizes += range(192, 1025, 64)
     sizes += range(1280, max_tokens + 1, 256)
@@ -43,26 +44,31 @@ def token_buckets(max_tokens: int) -> list[int]:
     return out
 
 
-class _CutAtAttention(AttentionBackend):
+class CutAtAttention(AttentionBackend):
     """The backend the model sees while a bucket is captured: it stores the step's K and V (when
-    the layer did not), copies the queries into the shared buffer, ends the piece being captured
-    and starts the next, and hands the model the attention output buffer, which the eager
-    attention call fills between the two pieces at replay."""
+    the layer did not), copies the queries into the shared buffer, calls `cut(layer)` (which ends
+    the piece being captured and starts the next) and hands the model the attention output
+    buffer, which the eager attention call fills between the two pieces at replay."""
 
     name = "piecewise"
 
-    def __init__(self, owner: PiecewiseGraphs) -> None:
-        real = owner.backend
+    def __init__(
+        self,
+        real: AttentionBackend,
+        queries: torch.Tensor,
+        attn_out: torch.Tensor,
+        slots: Callable[[int], torch.Tensor],
+    ) -> None:
         super().__init__(real.pool, real.num_heads, real.num_kv_heads, real.head_dim)
-        self.owner = owner
+        self.queries, self.attn_out, self.slots = queries, attn_out, slots
         self.tokens = 0
-        self.cut: Callable[[], None] | None = None  # None: warm-up, no capture running
+        self.cut: Callable[[int], None] | None = None  # None: warm-up, no capture running
 
     def prepare(self, layout: BatchLayout) -> Any:
         raise NotImplementedError("the piecewise capture backend is not planned")
 
     def new_token_slots(self, meta: Any) -> torch.Tensor:
-        return self.owner.slots(self.tokens)
+        return self.slots(self.tokens)
 
     def forward(
         self,
@@ -74,11 +80,11 @@ class _CutAtAttention(AttentionBackend):
     ) -> torch.Tensor:
         n = self.tokens
         if k is not None and v is not None:
-            self.pool.store(layer, self.owner.slots(n), k, v)
-        self.owner.queries[:n].copy_(q.reshape(n, self.num_heads, self.head_dim))
+            self.pool.store(layer, self.slots(n), k, v)
+        self.queries[:n].copy_(q.reshape(n, self.num_heads, self.head_dim))
         if self.cut is not None:
-            self.cut()
-        return self.owner.attn_out[:n]
+            self.cut(layer)
+        return self.attn_out[:n]
 
     def attend(self, q: torch.Tensor, layer: int, meta: Any) -> torch.Tensor:
         raise NotImplementedError("the piecewise capture backend does not attend")
@@ -123,7 +129,7 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _capture(self, device: torch.device) -> None:
-        cut = _CutAtAttention(self)
+        cut = CutAtAttention(self.backend, self.queries, self.attn_out, self.slots)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -138,7 +144,7 @@ class PiecewiseGraphs:
                 self.model(ids, pos, cut, None)
                 graphs = [torch.cuda.CUDAGraph()]
 
-                def next_piece(graphs: list[torch.cuda.CUDAGraph] = graphs) -> None:
+                def next_piece(layer: int, graphs: list[torch.cuda.CUDAGraph] = graphs) -> None:
                     graphs[-1].capture_end()
                     graphs.append(torch.cuda.CUDAGraph())
                     graphs[-1].capture_begin(pool=pool)

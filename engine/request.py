@@ -37,10 +37,25 @@ class RequestState:
     t_finished: float | None = None
     launched_tokens: int = 0  # tokens whose sampling was launched (some may be in flight)
     aborted: bool = False
+    # admission facts, renewed when a retracted request is admitted again
+    admit_seq: int = -1  # order of the latest admission (retraction takes the latest first)
+    outputs_promised: bool = True  # reserve: its outputs' pages promised; optimistic: estimated
+    retractions: int = 0  # times it was retracted (its KV freed, recomputed when readmitted)
+    matched_len: int = 0  # tokens the prefix cache served at the latest admission
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def input_len(self) -> int:
+        """Tokens to compute before the next sample: the prompt, plus for a retracted request
+        the outputs it had generated (recomputed when readmitted)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def outputs_left(self) -> int:
+        return self.params.max_tokens - self.launched_tokens
 
     def metrics(self) -> dict[str, Any]:
         """Its figures as instrumentation.metrics defines them for every view (the stall from
@@ -61,7 +76,7 @@ class PendingReq:
 
     @property
     def input_len(self) -> int:
-        return self.state.prompt_len
+        return self.state.input_len
 
 
 @dataclass(eq=False)
@@ -77,6 +92,12 @@ class Req:
     @property
     def uid(self) -> int:
         return self.state.uid
+
+    @property
+    def tenancy(self) -> tuple[int, int]:
+        """Which admission holds the row: a retracted request admitted again may get other
+        pages (or another row), so its page-table entries must be sent again."""
+        return self.state.uid, self.state.retractions
 
     @property
     def extend_len(self) -> int:

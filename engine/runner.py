@@ -2,8 +2,9 @@
 
 Only rows that sample get logits: the last position of each finished prompt and each decode.
 A chunk's logits would belong to a mid-prompt position and are never computed. On CUDA a pure
-decode step replays a captured graph (engine.cuda_graph) when one fits; every other step runs
-eagerly.
+decode step replays a captured graph (engine.cuda_graph) when one fits; a prefill or mixed step
+of up to `piecewise_max_tokens` tokens replays the piecewise graphs (engine.piecewise_graph),
+with attention run eagerly between the pieces; larger steps, and every step on CPU, run eagerly.
 
 `launch` does not wait for the device. Its `Launched` result hands the sampled tokens over when
 asked, so the engine can schedule and launch the next step while this one runs (overlap). The
@@ -170,7 +171,7 @@ class ModelRunner:
             ids=ids,
             patch_dst=dst,
             patch_src=src,
-            sample=[i for i, r in enumerate(reqs) if batch.kind(r) != "chunk"],
+            sample=[i for i, r in enumerate(reqs) if batch.samples(r)],
             decode=batch.phase == "decode",
             spans=spans,
             slots=slots,

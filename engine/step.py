@@ -23,6 +23,7 @@ from engine.request import Req, RequestState
 from engine.runner import Launched
 from engine.scheduler.batch import Batch
 from engine.scheduler.policy import POLICIES, SchedulePolicy
+from instrumentation.protocol import WaitReason
 from instrumentation.records import (
     EngineEvent,
     KVStats,
@@ -40,6 +41,30 @@ Hook = Callable[[Any], None]
 # a command from any thread, applied at the next step: ("submit", (uid, ids, params, source))
 # or ("abort", uid)
 Command = tuple[str, Any]
+
+
+def _item(batch: Batch, req: Req) -> StepItem:
+    kind = batch.kind(req)
+    sample = kind == "recompute" and batch.samples(req)  # the piece that ends a recompute
+    return StepItem(req.uid, kind, req.cached_len, req.device_len, sample=sample)
+
+
+def _retracted_event(st: RequestState, t: float) -> RequestEvent:
+    """`output_len`: its tokens so far, one still in flight included (its `token` message comes
+    first); `recompute_len`: the tokens it needs computed again, prompt plus those outputs."""
+    n = st.launched_tokens
+    return RequestEvent(
+        st.uid, "retracted", t, {"output_len": n, "recompute_len": st.prompt_len + n}
+    )
+
+
+def _admitted_event(st: RequestState, t: float) -> RequestEvent:
+    """`cached_len`: the prefix-cache hit of this admission; a retracted request admitted again
+    says so (`recompute`), and its first admission's figures stand."""
+    if st.retractions:
+        fields = {"cached_len": st.matched_len, "recompute": True}
+        return RequestEvent(st.uid, "admitted", t, fields)
+    return RequestEvent(st.uid, "admitted", t, {"cached_len": st.cached_len})
 
 
 @dataclass
@@ -80,11 +105,13 @@ class InFlight:
     batch: Batch
     items: tuple[StepItem, ...]
     admitted: list[Req]
+    retracted: list[RequestState]
     out: Launched
     live: LiveConfig
     t0: float
     kv: KVStats
     queue: QueueStats
+    ratio: float  # new_token_ratio as the step was scheduled
 
 
 class StepPipeline:
@@ -119,8 +146,9 @@ class StepPipeline:
     def kv_stats(self) -> KVStats:
         return self.kv.stats(self.scheduler.reserved_tokens())
 
-    def queue_stats(self) -> QueueStats:
-        return QueueStats(self.scheduler.num_waiting, self.scheduler.num_running)
+    def queue_stats(self, waiting_reason: WaitReason | None = None) -> QueueStats:
+        sched = self.scheduler
+        return QueueStats(sched.num_waiting, sched.num_running, waiting_reason)
 
     def _drain(self) -> list[EngineEvent]:
         events: list[EngineEvent] = []
@@ -165,17 +193,20 @@ class StepPipeline:
             self.hooks.emit(pre)
         live = self.live
         t0 = self.now()
-        scheduled = self.scheduler.schedule(self._policies[live.policy], live.max_extend_tokens, t0)
+        scheduled = self.scheduler.schedule(
+            self._policies[live.policy], live.max_extend_tokens, t0, live.admission
+        )
         prev, launched = self.inflight, None
         if scheduled is not None:
             batch = scheduled.batch
-            items = tuple(
-                StepItem(r.uid, batch.kind(r), r.cached_len, r.device_len) for r in batch.reqs
-            )
+            items = tuple(_item(batch, r) for r in batch.reqs)
             # the pool and queue as this step left them: its batch admitted and allocated
-            kv, queue = self.kv_stats(), self.queue_stats()
+            kv, queue = self.kv_stats(), self.queue_stats(scheduled.waiting_reason)
             out = self.runner.launch(batch, prev.out if prev is not None else None)
-            launched = InFlight(batch, items, scheduled.admitted, out, live, t0, kv, queue)
+            launched = InFlight(
+                batch, items, scheduled.admitted, scheduled.retracted, out, live, t0, kv, queue,
+                self.scheduler.ratio.value,
+            )  # fmt: skip
         if not self.overlap:
             if launched is None:
                 return None
@@ -213,10 +244,10 @@ class StepPipeline:
         tokens = step.out.result()
         t1 = self.now()
         post: list[EngineEvent] = []
-        req_events = [
-            RequestEvent(r.uid, "admitted", step.t0, {"cached_len": r.state.cached_len})
-            for r in step.admitted
-        ]
+        # retracted when this step was scheduled: back in the queue, outputs kept, to be
+        # recomputed (a token in flight for it was applied with the step before)
+        req_events = [_retracted_event(st, step.t0) for st in step.retracted]
+        req_events += [_admitted_event(r.state, step.t0) for r in step.admitted]
         finished = []
         gone: set[int] = set()
         for req, tok in zip(step.out.reqs, tokens, strict=True):
@@ -271,6 +302,9 @@ class StepPipeline:
             kv=step.kv,
             queue=step.queue,
             ranks=step.out.rank_times(),
+            admission=step.live.admission,
+            new_token_ratio=step.ratio,
+            retracted=tuple(st.uid for st in step.retracted),
         )
         self.step_no += 1
         self.hooks.emit([record, *post, *req_events])

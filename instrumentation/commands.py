@@ -14,6 +14,7 @@ from typing import Any
 
 from instrumentation.errors import InvalidRequest
 from instrumentation.messages import ErrorCode
+from instrumentation.protocol import ADMISSION_MODES
 from instrumentation.sampling import SamplingParams  # torch-free: it imports torch only to sample
 
 # Bounds that keep a hostile integer from reaching the engine's tensors (int64 seeds, token ids).
@@ -50,6 +51,7 @@ class SetConfig:
     id: str | None
     max_extend_tokens: int | None
     policy: str | None
+    admission: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +159,14 @@ def _set_config(
         policy = obj["policy"]
         if not isinstance(policy, str) or policy not in policies:
             raise CommandError("invalid_request", f"policy must be one of {', '.join(policies)}")
-    return SetConfig(command_id, budget, policy)
+    admission = None
+    if "admission" in obj:
+        admission = obj["admission"]
+        if not isinstance(admission, str) or admission not in ADMISSION_MODES:
+            raise CommandError(
+                "invalid_request", f"admission must be one of {', '.join(ADMISSION_MODES)}"
+            )
+    return SetConfig(command_id, budget, policy, admission)
 
 
 def _input_ids(value: Any, vocab_size: int) -> list[int]:

@@ -49,6 +49,8 @@ __all__ = [
     "Summary",
     "percentile",
     "request_metrics",
+    "samples",
+    "step_recompute",
     "stalls",
     "summarize",
     "summarize_steps",
@@ -78,6 +80,7 @@ class RequestRecord:
     finish_reason: str | None = None
     message: str | None = None
     source: str | None = None
+    retractions: int = 0  # times retracted (v1.3): back to waiting, outputs kept, recomputed
     token_times: list[float] = field(default_factory=list)
     token_steps: list[int] = field(default_factory=list)  # the step number of each token
     pieces: list[str] = field(default_factory=list)
@@ -134,6 +137,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "message": self.message,
             "source": self.source,
+            "retractions": self.retractions,
         }
         if metrics:
             d["text"] = self.text
@@ -177,6 +181,10 @@ class Summary:
     steps: int = 0
     first_step: int | None = None
     last_step: int | None = None
+    # prompt tokens served by the prefix cache over prompt tokens of the admitted requests
+    prefix_hit_rate: float | None = None
+    retractions: int = 0  # v1.3: requests sent back to the queue, to be recomputed
+    recomputed_tokens: int = 0  # tokens computed again for them (not in prompt_tokens)
 
 
 class Fold:
@@ -211,6 +219,8 @@ class Fold:
         # every request's sampled tokens and prompt tokens, for the summary (not bounded)
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.retractions = 0
+        self.recomputed_tokens = 0
         self._first_t0: float | None = None
         self._last_t1: float | None = None
         self._first_step: int | None = None
@@ -266,6 +276,7 @@ class Fold:
         self.steps.extend(steps)
         self.num_steps = len(self.steps)
         self.prompt_tokens = self.output_tokens = 0
+        self.retractions = self.recomputed_tokens = 0
         self._first_t0 = self._last_t1 = None
         self._first_step = self._last_step = None
         for step in steps:
@@ -292,6 +303,9 @@ class Fold:
         prompt, output = step_tokens(step)
         self.prompt_tokens += prompt
         self.output_tokens += output
+        retracted, recomputed = step_recompute(step)
+        self.retractions += retracted
+        self.recomputed_tokens += recomputed
 
     def _on_step(self, msg: Message) -> None:
         self.steps.append(msg)
@@ -324,8 +338,12 @@ class Fold:
             rec.source = msg.get("source", rec.source)
         elif event == "admitted":
             rec.state = "running"
-            rec.t_admitted = t
-            rec.cached_len = msg.get("cached_len", rec.cached_len)
+            if not msg.get("recompute"):  # a readmission keeps the first admission's figures
+                rec.t_admitted = t
+                rec.cached_len = msg.get("cached_len", rec.cached_len)
+        elif event == "retracted":
+            rec.state = "waiting"
+            rec.retractions += 1
         elif event == "first_token":
             rec.t_first_token = t
             if rec.state == "waiting":
@@ -364,6 +382,15 @@ class Fold:
 
     def live_requests(self) -> list[RequestRecord]:
         return list(self._live.values())
+
+    @property
+    def waiting_reason(self) -> str | None:
+        """Why the head of the waiting queue was not admitted in the latest step (v1.3):
+        `budget`, `kv`, `max_running` or `reserved`; None when nothing waited. Admission is
+        FIFO, so every waiting request waits behind the head, for this reason."""
+        if not self.steps:
+            return None
+        return (self.steps[-1].get("queue") or {}).get("waiting_reason")
 
     @property
     def ended_bytes(self) -> int:
@@ -412,13 +439,15 @@ def summarize_steps(steps: Sequence[Message], requests: Iterable[Message]) -> Su
             queued, ended = row.get("t_queued"), row.get("t_finished")
             if (queued is None or queued <= hi) and (ended is None or ended >= lo):
                 recs[uid] = _windowed(uid, row)
-    prompt_tokens = output_tokens = 0
+    prompt_tokens = output_tokens = retracted = recomputed = 0
     for step in steps:
         prompt, output = step_tokens(step)
         prompt_tokens += prompt
         output_tokens += output
+        n, m = step_recompute(step)
+        retracted, recomputed = retracted + n, recomputed + m
         for item in step.get("items") or ():
-            if item.get("kind") not in SAMPLING_KINDS or item.get("wasted"):
+            if not samples(item):
                 continue
             uid = int(item["uid"])
             rec = recs.get(uid)
@@ -439,6 +468,7 @@ def summarize_steps(steps: Sequence[Message], requests: Iterable[Message]) -> Su
         output_tokens=output_tokens,
         span=span,
         steps=(len(steps), *numbers),
+        pressure=(retracted, recomputed),
     )
 
 
@@ -449,6 +479,7 @@ def _windowed(uid: int, row: Message | None) -> RequestRecord:
         rec.state = row.get("state", "waiting")
         rec.t_queued, rec.t_admitted = row.get("t_queued"), row.get("t_admitted")
         rec.t_first_token = row.get("t_first_token")
+        rec.prompt_len, rec.cached_len = row.get("prompt_len"), row.get("cached_len")
     return rec
 
 
@@ -459,12 +490,17 @@ def _summary(
     output_tokens: int,
     span: float | None,
     steps: tuple[int, int | None, int | None],
+    pressure: tuple[int, int] = (0, 0),
 ) -> Summary:
     """The one computation of the headline, whatever the records came from."""
     ttfts: list[float] = []
     itls: list[float] = []
     worst: tuple[float, int] | None = None
+    looked_up = hits = 0
     for rec in recs:
+        if rec.cached_len is not None and rec.prompt_len:
+            looked_up += rec.prompt_len
+            hits += rec.cached_len
         if rec.t_first_token is not None and rec.t_queued is not None:
             ttfts.append(rec.t_first_token - rec.t_queued)
         itls.extend(gaps(rec.token_times))
@@ -490,6 +526,9 @@ def _summary(
         steps=steps[0],
         first_step=steps[1],
         last_step=steps[2],
+        prefix_hit_rate=hits / looked_up if looked_up else None,
+        retractions=pressure[0],
+        recomputed_tokens=pressure[1],
     )
 
 
@@ -504,13 +543,29 @@ def step_tokens(step: Message) -> tuple[int, int]:
         if item.get("wasted"):
             continue
         kind = item.get("kind")
-        if kind == "decode":
-            output += 1
-        else:
+        if kind not in ("decode", "recompute"):
             prompt += int(item["end"]) - int(item["start"])
-            if kind == "prefill":
-                output += 1
+        output += samples(item)
     return prompt, output
+
+
+def samples(item: Message) -> bool:
+    """Whether a step item sampled a token: every prefill and decode, and the `recompute` piece
+    that ends a retracted request's recompute (marked `sample`, v1.3); never a chunk, never
+    wasted work."""
+    if item.get("wasted"):
+        return False
+    return item.get("kind") in SAMPLING_KINDS or bool(item.get("sample"))
+
+
+def step_recompute(step: Message) -> tuple[int, int]:
+    """(requests retracted, tokens recomputed) in a step (v1.3)."""
+    recomputed = sum(
+        int(i["end"]) - int(i["start"])
+        for i in step.get("items") or ()
+        if i.get("kind") == "recompute" and not i.get("wasted")
+    )
+    return len(step.get("retracted") or ()), recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,7 +586,7 @@ def token_steps(steps: Sequence[Message]) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for i, step in enumerate(steps):
         for item in step.get("items") or ():
-            if item["kind"] in SAMPLING_KINDS and not item.get("wasted"):
+            if samples(item):
                 out.setdefault(item["uid"], []).append(i)
     return out
 
@@ -567,6 +622,7 @@ def _record_from_dict(row: dict[str, Any]) -> RequestRecord:
         "t_last_token", "t_finished", "finish_reason", "message", "source",
     ):  # fmt: skip
         setattr(rec, name, row.get(name))
+    rec.retractions = row.get("retractions") or 0
     rec.output_len = row.get("output_len") or 0
     metrics = row.get("metrics")
     rec.reported_metrics = metrics

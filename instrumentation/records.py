@@ -9,21 +9,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ItemKind = Literal["chunk", "prefill", "decode"]
+from instrumentation.protocol import WaitReason
+
+ItemKind = Literal["chunk", "prefill", "decode", "recompute"]
 Phase = Literal["prefill", "decode", "mixed"]
-RequestEventKind = Literal["queued", "admitted", "first_token", "finished", "aborted", "rejected"]
+RequestEventKind = Literal[
+    "queued", "admitted", "first_token", "finished", "aborted", "rejected", "retracted"
+]
 
 
 @dataclass(frozen=True, slots=True)
 class StepItem:
     """One request's share of a step: tokens `[start, end)` were computed. `wasted`: the request
-    ended (aborted, or an EOS read one step late) while the step ran, so the work was thrown away."""
+    ended (aborted, or an EOS read one step late) while the step ran, so the work was thrown away.
+    `sample`: a `recompute` piece that ends the recompute and samples the next token (prefill
+    and decode items always sample, chunks never)."""
 
     uid: int
     kind: ItemKind
     start: int
     end: int
     wasted: bool = False
+    sample: bool = False
+
+    @property
+    def samples(self) -> bool:
+        return self.kind in ("prefill", "decode") or self.sample
 
     @property
     def num_tokens(self) -> int:
@@ -43,8 +54,18 @@ class KVStats:
 
 @dataclass(frozen=True, slots=True)
 class QueueStats:
+    """`waiting_reason`: why the head of the queue was not admitted (None: nothing waits).
+    Admission is FIFO, so every waiting request waits behind the head, for the same reason."""
+
     waiting: int
     running: int
+    waiting_reason: WaitReason | None = None
+
+    def by_reason(self) -> dict[str, int]:
+        """vLLM's `num_requests_waiting_by_reason`: the waiting requests counted by reason."""
+        if self.waiting_reason is None or not self.waiting:
+            return {}
+        return {self.waiting_reason: self.waiting}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +90,17 @@ class StepRecord:
     kv: KVStats
     queue: QueueStats
     ranks: tuple[RankTiming, ...] | None = None  # tensor parallelism only
+    admission: str = "reserve"
+    new_token_ratio: float = 1.0  # optimistic admission's estimate of outputs still to come
+    retracted: tuple[int, ...] = ()  # uids retracted when this step was scheduled
 
     @property
     def prompt_tokens(self) -> int:
         return sum(i.num_tokens for i in self.items if i.kind != "decode")
+
+    @property
+    def recompute_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items if i.kind == "recompute")
 
     @property
     def live_items(self) -> tuple[StepItem, ...]:
@@ -101,8 +129,16 @@ class StepRecord:
                 "free": self.kv.free,
                 "reserved": self.kv.reserved,
             },
-            "queue": {"waiting": self.queue.waiting, "running": self.queue.running},
+            "queue": {
+                "waiting": self.queue.waiting,
+                "running": self.queue.running,
+                "waiting_reason": self.queue.waiting_reason,
+                "waiting_by_reason": self.queue.by_reason(),
+            },
+            "admission": self.admission,
+            "new_token_ratio": round(self.new_token_ratio, 4),
             **({} if self.ranks is None else {"ranks": [_rank_dict(r) for r in self.ranks]}),
+            **({"retracted": list(self.retracted)} if self.retracted else {}),
         }
 
 
@@ -114,6 +150,8 @@ def _item_dict(i: StepItem) -> dict[str, Any]:
     d: dict[str, Any] = {"uid": i.uid, "kind": i.kind, "start": i.start, "end": i.end}
     if i.wasted:  # only then: most items are not, and every byte is sent to every client
         d["wasted"] = True
+    if i.sample:
+        d["sample"] = True
     return d
 
 

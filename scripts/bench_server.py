@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from instrumentation.protocol import ENDED_STATES  # noqa: E402  (torch-free)
+from instrumentation.protocol import ENDED_STATES, POLICY_NAMES  # noqa: E402  (torch-free)
 
 
 def tiny_model(dst: Path) -> Path:
@@ -240,7 +240,7 @@ async def soak_client(url: str, requests: int, seed: int, window: int) -> tuple[
             await ws.send(json.dumps(s.submit()))
             if s.rng.random() < 0.05:
                 budget = s.rng.choice([1, 2, 4, 16, 64, 256, 512, s.rng.randrange(1, 1024)])
-                policy = s.rng.choice(["prefill_first", "mixed"])
+                policy = s.rng.choice(POLICY_NAMES)
                 await ws.send(json.dumps({"type": "set_config", "max_extend_tokens": budget,
                                           "policy": policy}))  # fmt: skip
             if s.rng.random() < 0.12:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from instrumentation.fold import Fold  # noqa: E402
 from instrumentation.metrics import gaps, percentile  # noqa: E402  (torch-free)
+from instrumentation.protocol import POLICY_NAMES  # noqa: E402
 
 GUIDELLM = "guidellm==0.8.1"
 QUANTILES = (50, 90, 99)
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--model", default="smollm2")
     add("--device", default="cpu")
     add("--load-format", default="auto", choices=("auto", "dummy"))
-    add("--policy", default="prefill_first", choices=("prefill_first", "mixed"))
+    add("--policy", default="prefill_first", choices=POLICY_NAMES)
     add("--max-extend-tokens", type=int, default=256)
     add("--max-running-req", type=int, default=32)
     add("--threads", type=int, default=None, help="torch CPU threads of the server")

@@ -1173,7 +1173,7 @@ def sec_overhead(r: Report) -> None:
     def hooked(on: bool) -> None:
         """The bare engine has no hook at all; the served one has the server's (its event
         hook behind the switch, and the flush it runs while the engine waits for the device)."""
-        for hooks, fn in ((llm._event_hooks, switch), (llm._wait_hooks, loop.flush)):
+        for hooks, fn in ((llm.hooks.event, switch), (llm.hooks.wait, loop.flush)):
             if on and fn not in hooks:
                 hooks.append(fn)
             elif not on and fn in hooks:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_server import random_submit  # noqa: E402  (the same random mix as its soak)
 
-from instrumentation.protocol import ENDED_STATES  # noqa: E402  (torch-free)
+from instrumentation.protocol import ENDED_STATES, POLICY_NAMES  # noqa: E402  (torch-free)
 
 
 def model_path(name: str, tmp: Path) -> str:
@@ -147,7 +147,7 @@ class Session:
             await self.ws.send(json.dumps(t.submit()))
             if rng.random() < 0.05:
                 budget = rng.choice([1, 2, 4, 16, 64, 256, 512, rng.randrange(1, 1024)])
-                policy = rng.choice(["prefill_first", "mixed"])
+                policy = rng.choice(POLICY_NAMES)
                 await self.ws.send(json.dumps({"type": "set_config", "id": t.cid("c", False),
                                                "max_extend_tokens": budget, "policy": policy}))  # fmt: skip
             if rng.random() < 0.12:

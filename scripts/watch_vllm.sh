@@ -60,11 +60,13 @@ fi
 MODEL_DIR=$("$PYTHON" -c "from engine.models.loader import resolve; print(resolve('smollm2').path)")
 PIDS=()
 stop_all() {
+  trap - EXIT INT TERM
   for pid in "${PIDS[@]}"; do
     kill -TERM "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
   done
   wait 2>/dev/null || true
   echo "stopped; the vLLM log and the watch's trace are in $WORK"
+  exit 0
 }
 trap stop_all EXIT INT TERM
 

@@ -97,6 +97,7 @@ class SchedulerSim:
         self.rng = random.Random(seed)
         self.uids = 0
         self.t = 0.0
+        self.last_reason: str | None = None  # the last step's waiting reason
 
     def submit(self, prompt: list[int], max_tokens: int) -> int:
         from engine.request import RequestState
@@ -107,11 +108,18 @@ class SchedulerSim:
         self.scheduler.add(RequestState(uid, prompt, params, self.t, detok=None))  # type: ignore[arg-type]
         return uid
 
-    def step(self, policy: str = "prefill_first", budget: int = 16, eos_rate: float = 0.0) -> bool:
+    def step(
+        self,
+        policy: str = "prefill_first",
+        budget: int = 16,
+        eos_rate: float = 0.0,
+        admission: str = "reserve",
+    ) -> bool:
         """One engine step: schedule, advance, "sample" a token for every request that samples,
         retire the ones that end (by length, or by an EOS drawn with `eos_rate`)."""
         self.t += 1.0
-        s = self.scheduler.schedule(self.policies[policy], budget, self.t)
+        s = self.scheduler.schedule(self.policies[policy], budget, self.t, admission)
+        self.last_reason = None if s is None else s.waiting_reason
         if s is None:
             return False
         self.scheduler.advance(s.batch)

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import plotly
-import streamlit as st
 import streamlit.components.v1 as v1
 import streamlit.components.v2 as v2
 
+from app import session
 from app.live import style as colors
 from app.live.feed import LiveFeed, Recorded, ViewOptions
 
@@ -41,8 +41,7 @@ _component = v2.component(
 )
 
 # The charts' files, in load order: data.js first (the others read it), view.js last.
-SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "aggregate.js", "pagemap.js",
-           "sweep.js", "view.js")  # fmt: skip
+SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "pagemap.js", "sweep.js", "view.js")
 # The browser asks for the next batch at most this often (10 a second). A pull that finds nothing
 # new is held on the server until the engine's next step lands (at most HOLD_S), so a step is
 # drawn as soon as it arrives rather than at the next poll: with polling, a page whose pulls
@@ -112,16 +111,16 @@ def live_charts(
 
     `captions(policy)` gives each view's caption; they are sent again only when the policy
     changed or the browser may not have them (a reset or a new view)."""
-    feeds: dict[str, LiveFeed] = st.session_state.setdefault("live_feeds", {})
+    feeds = session.LIVE_FEEDS.setdefault()
     feed = feeds.setdefault(key, LiveFeed())
-    pulled = (st.session_state.get(key) or {}).get("pull") or {}
+    pulled = (session.component_value(key) or {}).get("pull") or {}
     # A new pull says what the browser holds. Otherwise (the fragment's own timer, a full
     # rerun) assume it drew what was sent last: a browser that did not ignores the batch
     # (its base is not what it holds), and its next pull says where it really is.
     # Streamlit may also skip a payload on its way to the browser (only the newest render of a
     # component reaches it), so each payload repeats the previous OVERLAP - 1 batches; the
     # browser keeps only the steps it does not hold.
-    seen: dict[str, tuple[Any, list]] = st.session_state.setdefault("live_seen", {})
+    seen = session.LIVE_SEEN.setdefault()
     last_n, sent = seen.get(key, (None, []))
     if pulled.get("n") != last_n:
         have = pulled.get("have")
@@ -138,7 +137,7 @@ def live_charts(
     data["answer"] = pulled.get("n")  # which pull this answers
     if hidden:
         data["hidden"] = True
-    policies: dict[str, Any] = st.session_state.setdefault("live_sent_policy", {})
+    policies = session.LIVE_SENT_POLICY.setdefault()
     policy = (data.pop("config", None) or {}).get("policy", policies.get(key))
     fresh = data.get("reset") or pulled.get("have") is None  # the browser may have nothing
     if fresh:
@@ -162,7 +161,7 @@ def recording_charts(
 ) -> None:
     """A recording drawn whole by the same charts (compare): one batch, no pulls. `axes` (per
     x mode: `x` range and `y_top`) fix the scale; views of one `link` group zoom together."""
-    memo: dict[str, tuple[tuple, dict]] = st.session_state.setdefault("recording_batches", {})
+    memo = session.RECORDING_BATCHES.setdefault()
     ident = (title, len(record.steps), xmode)
     if key not in memo or memo[key][0] != ident:  # encoded once per recording and x mode
         batch = record.batch(xmode)

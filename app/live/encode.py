@@ -22,14 +22,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.aggregate import aggregate_step, is_aggregate
+from instrumentation.fold import samples
 from instrumentation.metrics import stalled_between
+from instrumentation.protocol import WAIT_REASONS
 
 Message = dict[str, Any]
 
 PHASES = ("prefill", "decode", "mixed")
-KINDS = ("chunk", "prefill", "decode")  # the item kind codes sent to the browser
-SAMPLING = frozenset({"prefill", "decode"})
+KINDS = ("chunk", "prefill", "decode", "recompute")  # the item kind codes sent to the browser
+REASONS = (None, *WAIT_REASONS)  # a step's waiting reason, as a code (0: nothing waited)
 # what the charts read of a request (its lanes: waiting, first token, end); a row is sent again
 # only when one of these changed, not for every token
 REQUEST_FIELDS = ("uid", "state", "t_queued", "t_first_token", "t_finished")
@@ -121,6 +122,10 @@ class StepEncoder:
             "packed": packed,
             "stalls": stalls,
             "ongoing": ongoing,
+            # [step, uid] of each retraction: a marker on the timeline, a gap in its lane
+            "retractions": [
+                [int(s["step"]), int(u)] for s in steps for u in s.get("retracted") or ()
+            ],
         }
 
     def _pack(self, step_items: Sequence[Message]) -> tuple[list[Message], dict[str, Any]]:
@@ -203,7 +208,7 @@ class StepEncoder:
                 decode += n
             else:
                 prompt += n
-            if it["kind"] in SAMPLING and not w:
+            if samples(it):
                 sampled.add(int(it["uid"]))
         stalled = 0
         gone = []
@@ -236,49 +241,18 @@ class StepEncoder:
             ("reserved", int(kv.get("reserved") or 0)),
             ("waiting", int(queue.get("waiting") or 0)), ("running", int(queue.get("running") or 0)),
             ("prompt", prompt), ("decode", decode), ("wasted", wasted), ("stalled", stalled),
-            ("sampled", len(sampled)),
+            ("sampled", len(sampled)), ("retracted", len(s.get("retracted") or ())),
+            ("reason", REASONS.index(queue.get("waiting_reason"))
+             if queue.get("waiting_reason") in REASONS else 0),
         ):  # fmt: skip
             cols[key].append(value)
-        _counts(s, cols)
 
 
 STEP_COLUMNS = (
     "step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total", "reserved",
-    "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled",
-    # an external engine's step (counts, no items; each None where its log did not say it)
-    "agg", "a_prompt", "a_cached", "a_dtok", "a_dreq", "a_wait", "a_run", "a_usage", "a_tps",
-    "a_sample",
-    # a tensor-parallel engine's step: [[rank, forward ms, all-reduce ms], ...]
-    "ranks",
+    "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled", "retracted",
+    "reason",
 )  # fmt: skip
-
-
-def _counts(s: Message, cols: dict[str, list]) -> None:
-    """What an external engine's step says (app.aggregate reads the same fields), and each
-    tensor-parallel rank's times; None where the step does not say it. Columns that stay None
-    travel as one value (compact_columns)."""
-    agg = aggregate_step(s) if is_aggregate(s) else None
-    cols["agg"].append(1 if agg else 0)
-    for key, field_ in AGGREGATE_FIELDS.items():
-        value = getattr(agg, field_) if agg else None
-        cols[key].append(_r(value) if isinstance(value, float) else value)
-    ranks = s.get("ranks")
-    cols["ranks"].append(
-        [[int(r["rank"]), _ms(r.get("forward_s")), _ms(r.get("comm_s"))] for r in ranks]
-        if ranks
-        else None
-    )
-
-
-AGGREGATE_FIELDS = {
-    "a_prompt": "prompt_tokens", "a_cached": "cached_tokens", "a_dtok": "decode_tokens",
-    "a_dreq": "decode_requests", "a_wait": "waiting", "a_run": "running", "a_usage": "kv_usage",
-    "a_tps": "gen_throughput", "a_sample": "sample_of_steps",
-}  # fmt: skip
-
-
-def _ms(seconds: Any) -> float | None:
-    return None if seconds is None else round(1000.0 * float(seconds), 3)
 
 
 def _start(it: Message) -> int:

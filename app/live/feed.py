@@ -143,6 +143,8 @@ class LiveFeed:
             out["requests"] = rows
         if body["stalls"]:
             out["stalls"] = body["stalls"]
+        if body["retractions"]:
+            out["retractions"] = body["retractions"]
         facts = {k: (delta.engine or {}).get(k) for k in ("page_size", "num_pages", "model")}
         if reset or facts != encoder.engine_sent:
             out["engine"] = encoder.engine_sent = facts

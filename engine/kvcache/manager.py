@@ -1,6 +1,7 @@
-"""KVManager: the one owner of pages. It admits requests against the pool's capacity (with their
-whole future reserved), maps pages into the page table as chunks need them, takes them back when
-a request ends, and proves that every page is exactly one of used, cached or free.
+"""KVManager: the one owner of pages. It admits requests against the pool's capacity (promising
+the pages the admission rule asks for), maps pages into the page table as chunks and decodes
+need them, takes them back when a request ends or is retracted, and proves that every page is
+exactly one of used, cached or free.
 
 The proof has two parts. Counters kept as pages move (free, cached locked / unlocked, private to
 a row) must add up to the pool: O(rows), cheap enough for every `stats` command. The full check,
@@ -18,6 +19,7 @@ import torch
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.prefix import CacheHandle, PrefixCache
 from engine.kvcache.table import PageTable
+from instrumentation.protocol import WaitReason
 from instrumentation.records import KVStats
 
 
@@ -136,18 +138,26 @@ class KVManager:
         self._num_private = 0
 
     # -- admission -----------------------------------------------------------------------
-    def try_admit(self, ids: list[int], max_tokens: int) -> tuple[CacheHandle, int] | None:
-        """Match the prefix, take a row and promise every page the request may ever need; or
-        change nothing (not even the cache's LRU order) and return None when a row or the pages
-        are not there."""
+    def try_admit(
+        self, ids: list[int], promise_tokens: int, hold_pages: int = 0
+    ) -> tuple[CacheHandle, int] | WaitReason:
+        """Match the prefix, take a row and promise the pages of the request's first
+        `promise_tokens` tokens (reserve: prompt plus `max_tokens`; optimistic: the prompt),
+        keeping `hold_pages` more free for what admitted requests are estimated to need. Or
+        change nothing (not even the cache's LRU order) and say why not: `max_running` (no
+        row), `kv` (not enough free and evictable pages), `reserved` (enough, but promised or
+        held for admitted requests)."""
         if self.table.num_free_rows == 0:
-            return None
+            return "max_running"
         handle, pages = self.cache.match(ids)
-        need = pages_for(len(ids) + max_tokens, self.page_size) - len(pages)
+        need = pages_for(promise_tokens, self.page_size) - len(pages)
         # the matched pages stop being evictable once locked, so they cannot count as room
-        evictable = self.cache.evictable_pages - self.cache.pages_to_lock(handle)
-        if need > self.allocator.num_free + evictable - self.outstanding:
-            return None
+        room = self.allocator.num_free + self.cache.evictable_pages
+        room -= self.cache.pages_to_lock(handle)
+        if need + hold_pages > room:
+            return "kv"
+        if need + hold_pages > room - self.outstanding:
+            return "reserved"
         self.cache.lock(handle)
         row = self.table.take_row()
         self.table.map_pages(row, 0, pages)
@@ -157,23 +167,39 @@ class KVManager:
         self.outstanding += need
         return handle, row
 
+    def available(self) -> int:
+        """Pages that can be drawn beyond the promises: free plus evictable minus promised."""
+        return self.allocator.num_free + self.cache.evictable_pages - self.outstanding
+
+    def extra_pages(self, row: int, length: int) -> int:
+        """Pages that mapping the row up to `length` needs beyond the row's own promise."""
+        have = self.mapped_len[row]
+        if length <= have:
+            return 0
+        return max(0, pages_for(length - have, self.page_size) - self._promised[row])
+
     def map_upto(self, targets: list[tuple[int, int]]) -> None:
         """For each (row, length): make positions [0, length) of the row have slots, drawing on
-        the row's promise. All of a step's rows are allocated and mapped together."""
+        the row's promise first and on `available()` pages beyond it (an optimistic admission's
+        outputs; the scheduler makes room first). All of a step's rows are mapped together."""
         spans: list[tuple[int, int, int]] = []
+        promised = extra = 0
         for row, length in targets:
             have = self.mapped_len[row]
             if length > have:
                 n = pages_for(length - have, self.page_size)
                 spans.append((row, have, n))
                 self.mapped_len[row] = have + n * self.page_size
-                self._promised[row] -= n
+                take = min(n, self._promised[row])
+                self._promised[row] -= take
                 self._private[row] += n
-                assert self._promised[row] >= 0, "a request used more pages than it reserved"
-        total = sum(n for _, _, n in spans)
+                promised += take
+                extra += n - take
+        assert extra <= self.available(), "pages drawn beyond the promises that are not there"
+        total = promised + extra
         if total:
             self.table.map_spans(spans, self._alloc(total))
-            self.outstanding -= total
+            self.outstanding -= promised
             self._num_private += total
 
     def _alloc(self, n: int) -> list[int]:

@@ -24,7 +24,7 @@ class RowUser(Protocol):
     """What TableSync reads of a request in a step (engine.request.Req)."""
 
     @property
-    def uid(self) -> int: ...
+    def tenancy(self) -> tuple[int, int]: ...
 
     table_idx: int
     device_len: int
@@ -32,7 +32,8 @@ class RowUser(Protocol):
 
 class TableSync:
     def __init__(self) -> None:
-        self._sent: dict[int, tuple[int, int]] = {}  # row -> (uid, positions sent)
+        # row -> (tenancy, positions sent); tenancy: (uid, retractions), one admission
+        self._sent: dict[int, tuple[tuple[int, int], int]] = {}
 
     def updates(self, reqs: list[RowUser], table: PageTable) -> tuple[list[Span], list[int]]:
         """The entries positions [0, device_len) of each request's row need and have not been
@@ -42,13 +43,13 @@ class TableSync:
         positions: list[int] = []
         for req in reqs:
             row, end = req.table_idx, req.device_len
-            uid, sent = self._sent.get(row, (-1, 0))
-            start = sent if uid == req.uid else 0
+            tenant, sent = self._sent.get(row, ((-1, 0), 0))
+            start = sent if tenant == req.tenancy else 0
             if end > start:
                 spans.append((row, start, end - start))
                 rows += [row] * (end - start)
                 positions += range(start, end)
-                self._sent[row] = (req.uid, end)
+                self._sent[row] = (req.tenancy, end)
         if not spans:
             return [], []
         # one gather for the step rather than a slice per request

@@ -16,7 +16,14 @@ class Batch:
     def kind(self, req: Req) -> ItemKind:
         if req.uid in self.decode:
             return "decode"
+        if req.state.retractions:  # prompt work of a retracted request: prompt plus outputs
+            return "recompute"
         return "chunk" if isinstance(req, ChunkedReq) else "prefill"
+
+    def samples(self, req: Req) -> bool:
+        """Whether the step samples a token for `req`: all but the pieces that leave some of
+        the input (prompt, or prompt plus outputs for a recompute) still to compute."""
+        return not isinstance(req, ChunkedReq)
 
     @property
     def phase(self) -> Phase:

@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,7 +109,10 @@ def build(llm: Any, args: Args) -> Server:
     # `instance` tells a reconnecting client whether it meets the engine it knew (v1.1)
     engine_facts = {**llm.info.to_dict(), "max_frame_bytes": max_frame,
                     "max_waiting": args.max_waiting,
-                    "instance": uuid.uuid4().hex[:12]}  # fmt: skip
+                    "instance": uuid.uuid4().hex[:12],
+                    # the wall-clock time at which the engine's clock read 0: engines on one
+                    # machine (a fleet) are drawn on one clock by it
+                    "clock_epoch": time.time() - llm.now()}  # fmt: skip
 
     def hello() -> dict[str, Any]:
         # server thread: the fold has folded every broadcast up to `history.seq`

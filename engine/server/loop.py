@@ -186,7 +186,9 @@ class CommandHandler:
         self.publisher.reply(client, messages.accepted(cmd.id, uid))
 
     def _set_config(self, cmd: SetConfig) -> None:
-        values = self.llm.set_config(max_extend_tokens=cmd.max_extend_tokens, policy=cmd.policy)
+        values = self.llm.set_config(
+            max_extend_tokens=cmd.max_extend_tokens, policy=cmd.policy, admission=cmd.admission
+        )
         self.loop.wake.set()
         self.publisher.broadcast(messages.config(cmd.id, self.llm.now(), values))
 

@@ -32,7 +32,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from instrumentation.metrics import request_metrics, stalled_between
-from instrumentation.protocol import ENDED_STATES
+from instrumentation.protocol import ENDED_STATES, WAIT_REASONS
 
 PREFIX = "stepscope:"
 Message = dict[str, Any]
@@ -121,8 +121,20 @@ class EngineMetrics:
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of prefilled requests.")
         self.generation_tokens = c("generation_tokens", "Generated tokens.")
         self.preemptions = c(
-            "num_preemptions", "Preemptions (this engine never preempts: always 0)."
+            "num_preemptions",
+            "Retractions: running requests sent back to the queue (optimistic admission).",
         )
+        self.recomputed = c(
+            "prompt_tokens_recomputed",
+            "Tokens of retracted requests computed again (prompt plus generated tokens).",
+        )
+        # vLLM's gauge, with this engine's reasons; the last step's figures
+        self.waiting_by_reason = {
+            r: g(
+                "num_requests_waiting_by_reason", "Waiting requests by why the queue's head waits."
+            )
+            for r in WAIT_REASONS
+        }
         # vLLM's finished_reason values, present at 0 as vLLM's are
         self.success = {r: c("request_success", "Ended requests by finish reason.")
                         for r in ("stop", "length", "abort")}  # fmt: skip
@@ -159,8 +171,13 @@ class EngineMetrics:
             fam = GaugeMetricFamily(PREFIX + g.name, g.doc, labels=["model_name"])
             fam.add_metric(lab, g.value)
             yield fam
+        some_g = next(iter(self.waiting_by_reason.values()))
+        fam = GaugeMetricFamily(PREFIX + some_g.name, some_g.doc, labels=["model_name", "reason"])
+        for reason, gauge in self.waiting_by_reason.items():
+            fam.add_metric([self._model, reason], gauge.value)
+        yield fam
         counters = (self.prefix_queries, self.prefix_hits, self.prompt_tokens,
-                    self.generation_tokens, self.preemptions)  # fmt: skip
+                    self.generation_tokens, self.preemptions, self.recomputed)  # fmt: skip
         for k in counters:
             fam = CounterMetricFamily(PREFIX + k.name, k.doc, labels=["model_name"])
             fam.add_metric(lab, k.value)
@@ -213,6 +230,12 @@ class EngineMetrics:
         self.step_seconds.observe(msg["t1"] - msg["t0"])
         kv = msg["kv"]
         self.set_kv(kv["used"], kv["total"])
+        self.recomputed.inc(
+            sum(i["end"] - i["start"] for i in msg["items"] if i["kind"] == "recompute")
+        )
+        by_reason = (msg.get("queue") or {}).get("waiting_by_reason") or {}
+        for reason, gauge in self.waiting_by_reason.items():
+            gauge.set(by_reason.get(reason, 0))
 
     def _token(self, msg: Message) -> None:
         self.generation_tokens.inc()
@@ -240,7 +263,16 @@ class EngineMetrics:
         r = self._live.get(uid)
         if r is None:
             return
-        if event == "admitted":
+        if event == "retracted":
+            self.preemptions.inc()
+            r.state = "waiting"
+            self._running -= 1
+            self._gauges()
+        elif event == "admitted" and msg.get("recompute"):  # readmitted after a retraction
+            r.state = "running"
+            self._running += 1
+            self._gauges()
+        elif event == "admitted":
             r.state = "running"
             r.t_admitted = t
             self._running += 1

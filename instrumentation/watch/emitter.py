@@ -73,7 +73,7 @@ class Emitter:
     def step(self, facts: AggregateStep) -> Message:
         with self._lock:
             msg = {"type": "step", "step": self._next_step, **facts.fields()}
-            if facts.t_source == "log":
+            if facts.t_source in ("log", "estimated"):  # the engine's own clock
                 self._log_now = max(self._log_now or facts.t1, facts.t1)
             self._next_step += 1
             self.status["steps"] += 1

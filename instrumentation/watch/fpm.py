@@ -121,7 +121,6 @@ class FpmReader:
         waiting = _int(q.get("num_prefill_requests"), 0) + _int(q.get("num_decode_requests"), 0)
         upstream = {k: m[k] for k in ("worker_id", "counter_id", "timing_scope") if k in m}
         upstream.update(wall_time=wall, scheduled_requests=s, queued_requests=q)
-        counter = m.get("counter_id")
         return [
             AggregateStep(
                 source=self.source,
@@ -133,7 +132,8 @@ class FpmReader:
                 prefill_requests=n_prefill,
                 decode_requests=n_decode,
                 waiting=waiting,
-                iteration=counter if isinstance(counter, int) and counter else seq,
+                # no `iteration`: counter_id counts published messages, heartbeats included,
+                # not steps (it stays in `fpm.counter_id`)
                 dp_rank=dp,
                 extra={"fpm": upstream},
             )

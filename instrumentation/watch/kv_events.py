@@ -281,6 +281,19 @@ def hit_rate(messages: list[dict[str, Any]]) -> float | None:
     requests with `kv_cache_report_mode: "full"`, so zero reuse is not a measured 0%)."""
     reused = sum(int(m.get("reused_blocks") or 0) for m in messages)
     stored = sum(int(m.get("stored_blocks") or 0) for m in messages)
-    if reused == 0:
-        return None
-    return reused / (reused + stored)
+    return _rate(reused, stored)
+
+
+def running_hit_rate(messages: list[dict[str, Any]]) -> list[float | None]:
+    """`hit_rate` of the messages up to and including each one, in one pass."""
+    out: list[float | None] = []
+    reused = stored = 0
+    for m in messages:
+        reused += int(m.get("reused_blocks") or 0)
+        stored += int(m.get("stored_blocks") or 0)
+        out.append(_rate(reused, stored))
+    return out
+
+
+def _rate(reused: int, stored: int) -> float | None:
+    return None if reused == 0 else reused / (reused + stored)

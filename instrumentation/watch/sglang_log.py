@@ -9,14 +9,19 @@ public threads (tests/fixtures/watch/SOURCES.md):
   and an unprefixed decode line `#running-req: 5, #token: 1938, token usage: 0.24, #queue-req: 0`;
 - 2024: `Prefill batch. #new-seq: ..., cache hit rate: ...%, ...` and, with mixed chunking,
   `Prefill batch(mixed #running-req: N). ...`; `Decode batch. ...`;
-- 2025 on: `Prefill batch, ...` with `#pending-token`, graph and throughput fields, hybrid pools
-  (`full token usage`, `swa token usage`, `mamba usage`), a trailing `, `, and with
+- 2025 on: `Prefill batch, ...` with `#pending-token`, any device's graph flag (`cuda`, `npu`,
+  `musa` graph), throughput fields, hybrid pools (`full token usage`, `swa token usage`, `mamba
+  usage`), HiSparse's device and host pools (`#gpu-token`, `#cpu-token`), prefill-decode
+  disaggregation queues, speculative decoding's `accept len`, a trailing `, `, and with
   SGLANG_LOG_FORWARD_ITERS a forward counter: `Prefill batch [123], ...`.
 
-The prefix `[date time DP0 TP0 EP0]` may carry a date (or only a time) and rank tags; anything
-before it (a Ray actor's `(SGLangEngine pid=..)`, a pasted file name) is ignored. Lines that are
-not batch lines (access logs, progress bars, warnings) are skipped and counted; a batch line
-whose required field cannot be read is counted as unreadable, never fatal.
+The prefix `[date time(.ms) DP0 TP0 EP0]` may carry a date (or only a time, or milliseconds with
+SGLANG_LOG_MS) and rank tags; anything before it (a Ray actor's `(SGLangEngine pid=..)`, a
+pasted file name) is ignored. Each DP rank is its own engine; within one, lines of another TP,
+PP or attention-CP rank repeat the batch and are counted, not read. Lines that are not batch
+lines (access logs, progress bars, warnings) are skipped and counted; a batch line whose
+required field cannot be read is counted as unreadable, never fatal; a segment no pattern reads
+is kept in `unread`. Times stamped to the second are placed by placement.py.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class VllmLogReader:
 
     def _engine_info(self, line: str) -> None:
         for name, spec in ENGINE_INFO.items():
-            if name in self.engine and name != "kv_cache_tokens":
+            if name in self.engine:
                 continue
             found = spec.pattern.search(line)
             if found is not None:

@@ -1,4 +1,4 @@
-"""A protocol peer for the dashboard's tests: a real WebSocket server that speaks PROTOCOL.md.
+"""A protocol peer for the dashboard's tests: a real WebSocket server that speaks docs/protocol.md.
 
 `SimEngine` is a pure, clock-free scheduler model (prefill-first or mixed, chunked prompts, a
 paged KV pool) that turns submits into plausible `step`/`token`/`request` messages. `AppPeer`

@@ -1,8 +1,7 @@
 """The page's side of external engines (issue 16), request sources (issue 14) and TP ranks
-(issue 18), without a browser: the charts' code (app/live/static, run in Node on what the live
-feed sends) on aggregate steps converted from real log fixtures, the page's mode from
-hello.engine, the OpenAI submit against a local HTTP server, and each rank's step time on
-synthetic messages."""
+(issue 18), without a browser: figures on aggregate steps converted from real log fixtures,
+the page's mode from hello.engine, the OpenAI submit against a local HTTP server, and each
+rank's step time on synthetic messages."""
 
 from __future__ import annotations
 
@@ -17,10 +16,8 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 
-from app import aggregate, external
+from app import aggregate, external, ranks
 from app.derive import headline
-from app.live.component import style
-from app.live.feed import Recorded
 from app.panels import _last_step_note, request_source
 from app.sidebar import engine_line
 
@@ -44,39 +41,12 @@ def converted(tmp_path: Path, source: str, fixture: str) -> tuple[Message, list[
     return hello, [m for m in messages if m["type"] == "step"]
 
 
-STATIC = ROOT / "app" / "live" / "static"
-DRAW_JS = """
-const {batch, style, figure} = JSON.parse(require('fs').readFileSync(0, 'utf8'));
-const S = window.stepscope, rec = new S.Record();
-rec.apply(batch, batch.window);
-const fig = S[figure](rec, new S.Axis(rec, 'step'), style);
-console.log(JSON.stringify({data: fig.data, layout: fig.layout, slowest: S.slowestRank(rec)}));
-"""
+def trace(fig: go.Figure, name: str) -> Any:
+    return next(t for t in fig.data if t.name == name)
 
 
-class Drawn:
-    """A figure as the browser draws it from the live charts' batch of `steps`."""
-
-    def __init__(self, steps: list[Message], figure: str = "aggregateFigure") -> None:
-        files = [str(STATIC / name) for name in ("data.js", "aggregate.js")]
-        prelude = "globalThis.window = globalThis; for (const f of JSON.parse(process.argv[1]))"
-        batch = Recorded(steps, []).batch("step")
-        done = subprocess.run(
-            ["node", "-e", prelude + " require(f);" + DRAW_JS, json.dumps(files)],
-            input=json.dumps({"batch": batch, "style": style(), "figure": figure}),
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        out = json.loads(done.stdout)
-        self.data, self.layout, self.slowest = out["data"], out["layout"], out["slowest"]
-        go.Figure({"data": self.data, "layout": self.layout})  # plotly's validation accepts it
-
-    @property
-    def names(self) -> set[str]:
-        return {t["name"] for t in self.data}
-
-
-def trace(fig: Drawn, name: str) -> Any:
-    return next(t for t in fig.data if t["name"] == name)
+def validated(fig: go.Figure) -> go.Figure:
+    return go.Figure(fig.to_dict())  # plotly's validation, which the page turns off
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +61,18 @@ def test_figures_draw_aggregate_steps_instead_of_raising(
 ) -> None:
     _, steps = chunked
     assert steps and all(aggregate.is_aggregate(s) for s in steps)
-    fig = Drawn(steps)
+    fig = validated(aggregate.aggregate_figure(steps))
     # The bars are the logged #new-token counts; cache hits are marks beside them, not work.
-    assert trace(fig, "prompt tokens computed")["y"] == [s.get("prompt_tokens") for s in steps]
-    cached = trace(fig, "prompt tokens served from cache (not computed)")["y"]
+    assert list(trace(fig, "prompt tokens computed").y) == [s.get("prompt_tokens") for s in steps]
+    cached = trace(fig, "prompt tokens served from cache (not computed)").y
     assert list(cached) == [s.get("cached_tokens") for s in steps]
     assert any(cached)
     # KV usage in percent, only where the source gave it; queue as logged.
-    usage = trace(fig, "KV usage %")["y"]
+    usage = trace(fig, "KV usage %").y
     assert [u is None for u in usage] == [s.get("kv", {}).get("usage") is None for s in steps]
-    assert trace(fig, "waiting")["y"][-1] == steps[-1]["queue"]["waiting"]
+    assert trace(fig, "waiting").y[-1] == steps[-1]["queue"]["waiting"]
     # No made-up pool fields: no used/cached/free/reserved page traces.
-    names = fig.names
+    names = {t.name for t in fig.data}
     assert not names & {"used pages", "cached pages", "free pages"}
     assert not any(n and n.startswith("reserved") for n in names)
 
@@ -111,15 +81,15 @@ def test_decode_lines_are_drawn_as_samples_of_n_steps(tmp_path: Path) -> None:
     _, steps = converted(tmp_path, "sglang-log", "sglang_2026-08_swa_chunked_long_prompt.log")
     sampled = [s for s in steps if (s.get("sample_of_steps") or 0) > 1]
     assert sampled
-    fig = Drawn(steps)
+    fig = aggregate.aggregate_figure(steps)
     marks = trace(fig, "sample of N steps (one log line)")
-    assert len(marks["x"]) == len(sampled)
+    assert len(marks.x) == len(sampled)
     n = sampled[0]["sample_of_steps"]
-    assert f"sample of {n} steps" in marks["hovertext"][0]
+    assert f"sample of {n} steps" in marks.hovertext[0]
     # SGLang's decode lines count requests, not tokens: the bar says requests.
     row = aggregate.aggregate_step(sampled[0])
     assert row.decode_bar == (sampled[0]["decode_requests"], "decode requests")
-    tps = trace(fig, "gen tokens/s (logged)")["y"]
+    tps = trace(fig, "gen tokens/s (logged)").y
     assert [tps[i] for i, s in enumerate(steps) if s in sampled] == [
         s.get("gen_throughput") for s in sampled
     ]
@@ -128,8 +98,8 @@ def test_decode_lines_are_drawn_as_samples_of_n_steps(tmp_path: Path) -> None:
 
 def test_vllm_iteration_steps_draw_decode_tokens(tmp_path: Path) -> None:
     _, steps = converted(tmp_path, "vllm-log", "vllm_2025-12_iteration_details.log")
-    fig = Drawn(steps)
-    assert trace(fig, "decode")["y"] == [s["decode_tokens"] for s in steps]
+    fig = validated(aggregate.aggregate_figure(steps))
+    assert list(trace(fig, "decode").y) == [s["decode_tokens"] for s in steps]
     assert headline(steps, []).running == 0  # nothing invented for requests the log does not name
 
 
@@ -147,6 +117,7 @@ def test_aggregate_step_leaves_unknowns_empty() -> None:
         {"step": 3, "t0": 0.0, "t1": 1.0, "phase": "decode", "items": [], "source": "x"}
     )
     assert row.prompt_tokens is None and row.kv_usage is None and row.budget is None
+    assert row.hover() == "step 3 · decode"
     used = aggregate.aggregate_step(
         {"step": 0, "t1": 0.0, "items": [], "kv": {"unit": "block", "used": 30, "total": 120}}
     )
@@ -241,25 +212,25 @@ def test_rank_times_show_a_straggler() -> None:
     steps = [_tp_step(n, [0.010, 0.030 if n % 2 else 0.011]) for n in range(6)]
     steps.insert(2, {"step": 99, "t0": 0.0, "t1": 0.0, "phase": "decode", "items": []})
     steps.append(_tp_step(7, [0.010, None]))
-    steps.sort(key=lambda s: s["step"])
-    fig = Drawn(steps, "ranksFigure")
-    assert fig.names == {
+    numbers, series = ranks.rank_series(steps)
+    assert numbers == [0, 1, 2, 3, 4, 5, 7]  # steps without ranks are not on this axis
+    assert series[0].forward_ms[:2] == pytest.approx([10.0, 10.0])
+    assert series[1].forward_ms[1] == pytest.approx(30.0)
+    assert series[1].forward_ms[-1] is None  # not measured: a gap, not a zero
+    assert ranks.slowest_rank(series) == 1
+    fig = validated(ranks.ranks_figure(steps))
+    assert {t.name for t in fig.data} == {
         "rank 0 forward", "rank 1 forward", "rank 0 all-reduce", "rank 1 all-reduce"
     }  # fmt: skip
-    r0, r1 = trace(fig, "rank 0 forward"), trace(fig, "rank 1 forward")
-    assert r0["x"] == [0, 1, 2, 3, 4, 5, 7]  # steps without ranks are not on this axis
-    assert r0["y"][:2] == pytest.approx([10.0, 10.0])
-    assert r1["y"][1] == pytest.approx(30.0)
-    assert r1["y"][-1] is None  # not measured: a gap, not a zero
-    assert fig.slowest == 1
-    no_ranks = [s for s in steps if not s.get("ranks")]
-    assert Drawn(no_ranks, "ranksFigure").slowest is None
+    assert ranks.slowest_rank({}) is None
 
 
 def test_engine_line_names_the_tp_degree() -> None:
     engine = {"model": "m", "device": "cuda", "dtype": "bfloat16", "num_pages": 10}
     assert "TP" not in engine_line(engine)
     assert "TP 2" in engine_line({**engine, "tp_size": 2})
+    assert ranks.tp_caption({"tp_size": 4}) == "tensor parallel over 4 ranks"
+    assert ranks.tp_caption({"tp_size": 1}) is None
 
 
 def test_requests_table_has_a_source_column(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -356,9 +327,40 @@ def test_page_on_a_watch_disables_commands_or_posts_to_openai(
         server.server_close()
 
 
+def test_ranks_view_draws_when_steps_carry_ranks() -> None:
+    from streamlit.testing.v1 import AppTest
+
+    def page() -> None:
+        from app import panels
+
+        steps = [
+            {
+                "step": n,
+                "t0": float(n),
+                "t1": n + 0.5,
+                "phase": "decode",
+                "items": [],
+                "ranks": [
+                    {"rank": 0, "forward_s": 0.01, "comm_s": 0.001},
+                    {"rank": 1, "forward_s": 0.03, "comm_s": 0.002},
+                ],
+            }
+            for n in range(4)
+        ]
+        panels.ranks_view(steps, {"tp_size": 2})
+        panels.ranks_view([{**s, "ranks": None} for s in steps], {"tp_size": 1})  # draws nothing
+
+    at = AppTest.from_function(page, default_timeout=30).run()
+    assert not at.exception
+    assert [m.value for m in at.markdown] == [
+        "**Ranks** (tensor parallel over 2 ranks · slowest on average: rank 1)"
+    ]
+    assert len(at.get("plotly_chart")) == 1
+
+
 def test_external_charts_draw_the_prefix_cache_from_kv_events() -> None:
-    """A watch that relays KV events: the page draws the cache's blocks, each batch at the step
-    it followed; without KV events that figure is absent (the steps are in the live charts)."""
+    """A watch that relays KV events: the page draws the cache's blocks under the aggregate
+    figure, each batch at the step it followed; without KV events that figure is absent."""
     from streamlit.testing.v1 import AppTest
 
     def page() -> None:
@@ -378,18 +380,19 @@ def test_external_charts_draw_the_prefix_cache_from_kv_events() -> None:
         import streamlit as st
 
         kv = kv if st.session_state.get("with_kv", True) else []
-        panels.kv_events_chart(Snapshot(steps, [], {"external": True}, None, 1, kv_events=kv))
+        panels.external_charts(Snapshot(steps, [], {"external": True}, None, 1, kv_events=kv))
 
     at = AppTest.from_function(page, default_timeout=30)
     at.session_state["with_kv"] = False
     at.run()
-    assert not at.exception and not at.markdown and not at.get("plotly_chart")
+    # the engine's lane of steps (issue 26) and the aggregate figure
+    assert not at.exception and not at.markdown and len(at.get("plotly_chart")) == 2
     at = AppTest.from_function(page, default_timeout=30).run()
     assert not at.exception
     assert [m.value for m in at.markdown] == ["**Prefix cache (KV events)**"]
     charts = at.get("plotly_chart")
-    assert len(charts) == 1
-    fig = json.loads(charts[0].proto.spec)
+    assert len(charts) == 3  # no reuse reported: no hit-rate figure
+    fig = json.loads(charts[2].proto.spec)
     held = next(t for t in fig["data"] if t["name"] == "blocks held")
     assert held["x"] == [0, 1] and held["y"] == [2, 5]  # received after steps 0 and 1 ended
 

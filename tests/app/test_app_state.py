@@ -320,6 +320,28 @@ def test_the_app_never_imports_torch_or_the_engine() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_only_app_session_reaches_the_session_state() -> None:
+    """app/session.py owns every `st.session_state` key (typed `Field`s); the other modules go
+    through it, so a key is spelled once and what it holds is declared once."""
+    app_dir = ROOT / "app"
+    reaching = sorted(
+        str(path.relative_to(ROOT))
+        for path in app_dir.rglob("*.py")
+        if path != app_dir / "session.py" and "session_state" in path.read_text()
+    )
+    assert reaching == []
+    assert "st.session_state" in (app_dir / "session.py").read_text()  # the grep looks right
+
+
+def test_session_fields_have_one_key_each() -> None:
+    from app import session
+
+    fields = [f for f in vars(session).values() if isinstance(f, session.Field)]
+    fields += list(session.STALE.values())
+    keys = [f.key for f in fields]
+    assert len(fields) > 40 and len(keys) == len(set(keys))
+
+
 def test_snapshot_of_zero_steps_has_none_and_delta_is_incremental() -> None:
     store = EventStore()
     store.apply({"type": "hello", "protocol": 1, "seq": -1, "now": 0.0,

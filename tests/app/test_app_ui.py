@@ -404,3 +404,6 @@ def test_a_prompt_submitted_before_the_engine_is_up_is_sent_once_it_is(
         assert late.wait_for(lambda: len(late.received("submit")) == 1, timeout=20)
         assert late.received("submit")[0]["prompt"] == "Is anybody there?"
         assert settle(at, lambda: any("requests 0" in t for t in texts(at.caption)))
+        # the held notice gives way to what became of the prompt
+        assert settle(at, lambda: any("submitted: request 0" in t for t in texts(at.success)))
+        assert not any("held" in t and "starting" in t for t in texts(at.success))

@@ -1,16 +1,21 @@
-"""The page in a real browser, watching an external engine (issue 16, must-show 3).
+"""The page in a real browser, watching an external engine (issue 16, must-show 3; issue 26,
+must-show 5).
 
-Starts `python -m instrumentation.watch sglang-log` replaying a real chunked-prefill log excerpt
-(tests/fixtures/watch, at the log's own pace) and `streamlit run app/main.py` on it, then checks
-that the aggregate timeline is drawn with every step of the log, that the page says there are no
-per-request lanes, and that submit, budget, policy and workload controls are unavailable with the
-watch's reason.
+Starts `python -m instrumentation.watch vllm-log` on the recorded vLLM 0.32 CPU run
+(tests/fixtures/watch/vllm_0.32_cpu_capture: its log and its raw KV-event frames) and
+`streamlit run app/main.py` on it, then checks that every step of the log is drawn with vLLM's
+own counts and KV usage, in the engine's lane, that the KV events are drawn (blocks held, the
+hit rate from the reuse vLLM announced), that the page says the times are estimated and that
+there are no per-request lanes, and that submit, budget, policy and workload controls are
+unavailable with the watch's reason. One browser run, for CI's time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -20,8 +25,6 @@ from pathlib import Path
 import pytest
 
 from tests.app.test_browser import CHROMIUM, CHROMIUM_ARGS, ROOT, _stop, running_app
-
-FIXTURE = ROOT / "tests" / "fixtures" / "watch" / "sglang_2024-11_chunked_2048.log"
 
 pytestmark = [
     pytest.mark.browser,
@@ -52,54 +55,74 @@ def running_watch(*args: str) -> Iterator[str]:
         _stop(proc)
 
 
-def logged_steps(tmp_path: Path) -> list[dict]:
-    """The steps the watch makes of the fixture (its converter mode), to compare with the page."""
-    out = tmp_path / "trace.jsonl"
-    subprocess.run(
-        [sys.executable, "-m", "instrumentation.watch", "sglang-log", str(FIXTURE)]
-        + ["--trace", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
-    messages = [json.loads(line) for line in out.read_text().splitlines()]
-    return [m for m in messages if m["type"] == "step"]
+# ---- a recorded vLLM 0.32 CPU run: steps, KV usage, KV events (issue 26, must-show 5) ----
 
-
-# The aggregate figure as plotly.js drew it: the per-step prompt-token bars.
-PROMPT_BARS_JS = """() => {
+CAPTURE = ROOT / "tests" / "fixtures" / "watch" / "vllm_0.32_cpu_capture"
+TRACE_Y_JS = """(name) => {
     for (const gd of document.querySelectorAll('.js-plotly-plot')) {
-        const bars = (gd.data || []).find(t => t.name === 'prompt tokens computed');
-        if (bars) return Array.from(bars.y, Number);
+        const t = (gd.data || []).find(t => t.name === name);
+        if (t) return Array.from(t.y, v => v === null ? null : Number(v));
     }
     return null;
 }"""
+LANE_BARS_JS = """() => {
+    let n = 0;
+    for (const gd of document.querySelectorAll('.js-plotly-plot'))
+        for (const t of gd.data || [])
+            if (t.orientation === 'h') n += t.x.length;
+    return n;
+}"""
+CAPTURE_ARGS = (
+    "vllm-log", str(CAPTURE / "vllm.log"), "--kv-events", str(CAPTURE / "kv_events.frames"),
+    "--log-timezone", "UTC",
+)  # fmt: skip
 
 
-def test_page_draws_a_watched_sglang_log_and_says_what_it_cannot_do(tmp_path: Path) -> None:
+def capture_messages(tmp_path: Path) -> list[dict]:
+    out = tmp_path / "capture.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "instrumentation.watch", *CAPTURE_ARGS, "--trace", str(out)],
+        cwd=ROOT, check=True, capture_output=True,
+    )  # fmt: skip
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_page_draws_a_recorded_vllm_run_with_its_kv_and_kv_events(tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    pytest.importorskip("msgpack")
     expect, sync_playwright = sync_api.expect, sync_api.sync_playwright
-    steps = logged_steps(tmp_path)
-    prompts = [s["prompt_tokens"] for s in steps]
-    assert len(steps) >= 5 and 2048 in prompts  # a long prompt cut into 2048-token chunks
+    messages = capture_messages(tmp_path)
+    steps = [m for m in messages if m["type"] == "step"]
+    kv = [m for m in messages if m["type"] == "kv_events"]
+    assert len(steps) > 10 and kv
 
     with (
-        running_watch("sglang-log", str(FIXTURE), "--pace", "1") as ws_url,
+        running_watch(*CAPTURE_ARGS) as ws_url,
         running_app(ws_url) as page_url,
         sync_playwright() as pw,
     ):
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1600})
+            page = browser.new_page(viewport={"width": 1500, "height": 2200})
             page.set_default_timeout(90_000)
             expect.set_options(timeout=90_000)
             page.goto(page_url)
             expect(page.get_by_text("connected", exact=True)).to_be_visible()
-            expect(page.get_by_text("external engine").first).to_be_visible()
+            expect(page.get_by_text("vllm-log").first).to_be_visible()
 
-            # Every log line's step is drawn, with the log's prompt-token counts.
-            page.wait_for_function(f"() => (({PROMPT_BARS_JS})() || []).length >= {len(steps)}")
-            assert page.evaluate(PROMPT_BARS_JS) == prompts
+            # Its steps: one bar per iteration line with vLLM's own counts, and the KV usage
+            # vLLM printed on every line.
+            page.wait_for_function(
+                f"() => (({TRACE_Y_JS})('prompt tokens computed') || []).length >= {len(steps)}"
+            )
+            assert page.evaluate(TRACE_Y_JS, "prompt tokens computed") == [
+                s["prompt_tokens"] for s in steps
+            ]
+            assert page.evaluate(TRACE_Y_JS, "KV usage %") == pytest.approx(
+                [100 * s["kv"]["usage"] for s in steps]
+            )
+            assert page.evaluate(LANE_BARS_JS) == len(steps)  # the engine's lane
+            expect(page.get_by_text("Step times are estimated").first).to_be_visible()
             expect(page.get_by_text("No per-request lanes").first).to_be_visible()
 
             # The controls that would command the engine are unavailable, and the page says why.
@@ -109,11 +132,27 @@ def test_page_draws_a_watched_sglang_log_and_says_what_it_cannot_do(tmp_path: Pa
             assert page.get_by_text(reason).count() >= 3
             expect(page.get_by_role("button", name="Submit")).to_have_count(0)
             expect(page.locator(".st-key-budget_slider")).to_have_count(0)
-            workload = page.locator("[class*='st-key-preset-'] button").first
-            expect(workload).to_be_disabled()
+            expect(page.locator("[class*='st-key-preset-'] button").first).to_be_disabled()
 
-            shot = tmp_path / "watch.png"
+            # Its KV events: blocks held after each batch, and the hit rate from the reuse
+            # vLLM announced when the long prompt came again.
+            expect(page.get_by_text("Prefix cache (KV events)")).to_be_visible()
+            page.wait_for_function(
+                f"() => (({TRACE_Y_JS})('blocks held') || []).length >= {len(kv)}"
+            )
+            assert page.evaluate(TRACE_Y_JS, "blocks held") == [m["blocks"] for m in kv]
+            rates = page.evaluate(TRACE_Y_JS, "prefix-cache hit rate (blocks)")
+            assert rates[-1] == pytest.approx(
+                100
+                * sum(m["reused_blocks"] for m in kv)
+                / sum(m["reused_blocks"] + m["stored_blocks"] for m in kv)
+            )
+
+            shot = tmp_path / "watch-vllm-capture.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
+            keep = os.environ.get("STEPSCOPE_SCREENSHOTS")  # docs: assets/watch-vllm-capture.png
+            if keep:
+                shutil.copy(shot, Path(keep) / shot.name)
         finally:
             browser.close()

@@ -59,3 +59,13 @@ def test_the_row_says_what_it_covers() -> None:
     assert recording.scope == "the whole recording (steps 2–5)"
     assert headline(STEPS[2:], REQUESTS, whole=False).scope.startswith("the 4 steps in view")
     assert headline([], REQUESTS).scope == "no steps yet"
+
+
+def test_a_stall_not_yet_ended_is_shown_as_stalled_now() -> None:
+    """Mid-prompt under prefill-first: request 0 has been left out since step 1. It is no stall
+    yet (no token ended the gap), but the row says it is waiting, and for how long."""
+    h = headline(STEPS[:4], REQUESTS)
+    assert h.worst_stall is None
+    assert h.stalled_now == 1 and h.stalled_now_s == pytest.approx(0.4 - 0.2)
+    done = headline(STEPS, REQUESTS)
+    assert done.stalled_now == 0 and done.stalled_now_s is None

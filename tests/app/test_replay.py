@@ -320,6 +320,43 @@ def test_the_page_opens_a_sweep_folder(replay_app: AppTest, runs: dict) -> None:
     assert plot["title"].startswith("Sweep") and plot["caption"]
 
 
+def test_replay_disables_every_control_that_cannot_act(replay_app: AppTest, runs: dict) -> None:
+    """A recording takes no commands: the prompt form, the budget and policy, the workloads,
+    Clear history and Abort are disabled, each with the reason, and the sidebar names no engine
+    as connected (issue 24)."""
+    at = replay_app.run()
+    assert not at.exception, at.exception
+    reason = "Unavailable (replaying prefill_first-16.jsonl)"
+    sidebar_md = [str(m.value) for m in at.sidebar.markdown]
+    assert not any("connected" in t for t in sidebar_md), sidebar_md
+    assert any("no engine" in t for t in sidebar_md), sidebar_md
+    captions = [str(c.value) for c in at.sidebar.caption]
+    for what in ("Budget and policy: ", "Workloads: "):
+        assert any(t.startswith(what + reason) for t in captions), (what, captions)
+    assert any(str(i.value).startswith("Submitting prompts: " + reason) for i in at.info)
+    assert at.text_area(key="prompt_text").disabled
+    assert at.button(key="FormSubmitter:prompt-Submit").disabled
+    for key in ("max_tokens", "temperature", "copies"):
+        assert at.number_input(key=key).disabled, key
+    # the recording's own budget and policy, shown read-only
+    assert at.select_slider(key="budget_slider").disabled
+    assert at.select_slider(key="budget_slider").value == 16
+    assert at.number_input(key="budget_exact").disabled
+    assert at.radio(key="policy").disabled and at.radio(key="policy").value == "prefill_first"
+    presets = [b for b in at.sidebar.button if (b.key or "").startswith("preset-")]
+    assert presets and all(b.disabled for b in presets)
+    clear = at.button(key="clear_history")
+    assert clear.disabled and reason in str(clear.help)
+    # Abort, on the requests in flight at the first step
+    rec = Recording.load(runs["a"])
+    at.slider(key="replay_step").set_value(rec.first_step).run()
+    at.session_state["detail_tab"] = "Requests"
+    at.run()
+    assert not at.exception, at.exception
+    aborts = [b for b in at.button if (b.key or "").startswith("abort-")]
+    assert aborts and all(b.disabled and reason in str(b.help) for b in aborts)
+
+
 # ---- a real browser ----------------------------------------------------------------------------
 
 
@@ -351,7 +388,16 @@ def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_pat
             box = page.locator(".st-key-replay_path input")
             box.fill(str(runs["a"]))
             box.press("Enter")
-            expect(page.get_by_text("replaying")).to_be_visible()
+            expect(page.get_by_text("replaying", exact=True)).to_be_visible()
+            # nothing that would command an engine acts, and the page says why
+            expect(page.get_by_text("Submitting prompts: Unavailable (replaying")).to_be_visible()
+            expect(page.get_by_label("Prompt")).to_be_disabled()
+            expect(page.get_by_role("button", name="Submit")).to_be_disabled()
+            expect(page.get_by_role("button", name="The chapter's example")).to_be_disabled()
+            expect(page.locator(".st-key-budget_slider input[type='range']")).to_be_disabled()
+            sidebar = page.locator("[data-testid='stSidebar']")
+            expect(sidebar.get_by_text("no engine", exact=True)).to_be_visible()
+            expect(sidebar.get_by_text("connected", exact=True)).to_have_count(0)
             caption = page.get_by_text(f"step {rec.last_step} of")
             expect(caption).to_be_visible()
             # scrub: the slider (a range input), keyboard Home = the first step. A key press can

@@ -120,16 +120,20 @@ def test_other_ranks_tables_follow_rank_0s() -> None:
             assert torch.equal(copy.slots[row, :end], table.slots[row, :end])
         return len(slots)
 
-    a = SimpleNamespace(uid=1, table_idx=0, device_len=10)
-    c = SimpleNamespace(uid=3, table_idx=2, device_len=3)
+    a = SimpleNamespace(tenancy=(1, 0), table_idx=0, device_len=10)
+    c = SimpleNamespace(tenancy=(3, 0), table_idx=2, device_len=3)
     table.map_pages(0, 0, [5, 2, 7])
     table.map_pages(2, 0, [4])
     assert step(a, c) == 13
     a.device_len, c.device_len = 11, 4
     assert step(a, c) == 2  # decodes: one entry each
-    b = SimpleNamespace(uid=2, table_idx=0, device_len=6)  # row 0 changes hands
+    b = SimpleNamespace(tenancy=(2, 0), table_idx=0, device_len=6)  # row 0 changes hands
     table.map_pages(0, 0, [1, 3])
     assert step(b) == 6
+    # request 3, retracted and admitted again into its old row: other pages, all sent again
+    c.tenancy, c.device_len = (3, 1), 4
+    table.map_pages(2, 0, [6])
+    assert step(c) == 4
 
 
 def test_bad_tp_sizes_are_refused(tiny_llama_dir) -> None:

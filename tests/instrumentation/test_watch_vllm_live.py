@@ -288,6 +288,14 @@ def test_the_watch_reads_a_live_vllm_completely(tmp_path: Path) -> None:
         served = [m for m in watch.received if m["type"] != "hello"]
         assert [m for m in written if m["type"] != "hello"][: len(served)] == served
         assert any("watch: " in line for line in watch.stderr)  # the closing summary line
+    print(
+        f"\nlive vLLM: {len(lines)} iteration lines -> {len(steps)} steps, prompt tokens "
+        f"{sum(s['prompt_tokens'] for s in steps)} = /metrics local_compute {computed:.0f} "
+        f"(total {total:.0f} - cached {cached:.0f}); {len(kv)} KV batches, "
+        f"{sum(m['stored_blocks'] for m in kv)} blocks stored, "
+        f"{sum(m['reused_blocks'] for m in kv)} reused; traces after SIGTERM: "
+        f"{len(log_trace.read_text().splitlines())} and {len(kv_trace.read_text().splitlines())} lines"
+    )
 
 
 # ---- recording the CI capture ----
@@ -336,3 +344,40 @@ if __name__ == "__main__":
     parser.add_argument("--record", required=True, metavar="DIR")
     args = parser.parse_args()
     record(Path(args.record), vllm_python(), bundled_model_dir())
+
+
+@pytest.mark.vllm
+def test_the_documented_millisecond_log_config_gives_millisecond_steps(tmp_path: Path) -> None:
+    """docs/watch.md's logging config, applied by vLLM itself, stamps lines the watch reads to
+    the millisecond (`t_source: "log"`)."""
+    python = vllm_python()
+    doc = (ROOT / "docs" / "watch.md").read_text()
+    config = re.search(r"cat > vllm-logging\.json <<'EOF'\n(.*?)\nEOF", doc, re.S)
+    assert config, "docs/watch.md lost its vLLM logging config"
+    path = tmp_path / "vllm-logging.json"
+    path.write_text(config.group(1))
+    # vLLM's own logger, configured from the environment as its processes are, printing
+    # iteration lines with its own format string
+    script = (
+        "import vllm.logger as L\n"
+        "L._configure_vllm_root_logger()\n"
+        "log = L.init_logger('vllm.v1.metrics.loggers')\n"
+        "for i in range(3):\n"
+        "    log.info('%sIteration(%d): %d context requests, %d context tokens, %d generation "
+        "requests, %d generation tokens, iteration elapsed time: %.2f ms%s, %s KV cache usage: "
+        "%.1f%%%s', 'Engine 000: ', i, 0, 0, 2, 2, 1.5, '', 'CPU', 0.5, '')\n"
+    )
+    out = subprocess.run(
+        [python, "-c", script], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "VLLM_LOGGING_CONFIG_PATH": str(path)},
+    )  # fmt: skip
+    lines = [ln for ln in out.stdout.splitlines() if "Iteration(" in ln]
+    assert len(lines) == 3, out.stdout + out.stderr
+    from collections import Counter
+
+    from instrumentation.watch.vllm_log import VllmLogReader
+
+    reader = VllmLogReader({}, Counter(), lambda: 0.0)
+    steps = [s for line in lines for s in reader.feed(line)] + reader.flush()
+    assert [s.t_source for s in steps] == ["log"] * 3
+    assert [s.kv for s in steps] == [{"unit": "block", "device": "CPU", "usage": 0.005}] * 3

@@ -3,13 +3,15 @@
 // (timeline.js, kv.js, progress.js) through `window.stepscope`.
 (function (S) {
   "use strict";
-  // encode.STEP_COLUMNS: an external engine's counts (agg, a_*) and tensor-parallel ranks last
+  // encode.STEP_COLUMNS
   const STEP_COLS = ["step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total",
     "reserved", "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled",
-    "agg", "a_prompt", "a_cached", "a_dtok", "a_dreq", "a_wait", "a_run", "a_usage", "a_tps",
-    "a_sample", "ranks"];
+    "retracted", "reason"];
   const ITEM_COLS = ["step", "uid", "kind", "a", "b", "base", "w"];
-  const KINDS = ["chunk", "prefill", "decode"];
+  const KINDS = ["chunk", "prefill", "decode", "recompute"];
+  // a step's `reason` code: why the head of the waiting queue was not admitted (encode.REASONS)
+  const WAIT_REASONS = [null, "budget", "kv", "max_running", "reserved"];
+  const MAX_RETRACTIONS = 4000;
   const REQ_FIELDS = ["uid", "state", "t_queued", "t_first_token", "t_finished"];
   const REF_KEEP = 16; // decode stacks kept at batch ends, for batches that overlap what we hold
   const HALF = 0.45; // a step's bar half-width in step units
@@ -87,6 +89,7 @@
       this.items = new Columns(ITEM_COLS);
       this.requests = new Map();
       this.stalls = []; // [uid, firstStep, lastStep, seconds] closed stalls
+      this.retractions = []; // [step, uid]: retracted when that step was scheduled
       this.ongoing = [];
       this.runs = new Map(); // uid -> [[firstStep, lastStep], ...] steps that gave it a token
       this.chunks = []; // [step, uid, a, b, kind] prompt pieces
@@ -139,6 +142,9 @@
       const known = new Set(this.stalls.map((x) => x[0] + ":" + x[1]));
       for (const st of batch.stalls || []) if (!known.has(st[0] + ":" + st[1])) this.stalls.push(st);
       if (batch.ongoing) this.ongoing = batch.ongoing;
+      const seenR = new Set(this.retractions.map((x) => x[0] + ":" + x[1]));
+      for (const r of batch.retractions || []) if (!seenR.has(r[0] + ":" + r[1])) this.retractions.push(r);
+      if (this.retractions.length > MAX_RETRACTIONS) this.retractions.splice(0, this.retractions.length - MAX_RETRACTIONS);
       for (const row of batch.requests || []) {
         const rec = {};
         REQ_FIELDS.forEach((f, k) => { rec[f] = row[k]; });
@@ -154,6 +160,7 @@
       const first = this.steps.step[0];
       this.items.dropFront(lowerBound(this.items.step, first));
       this.stalls = this.stalls.filter((x) => x[2] >= first);
+      this.retractions = this.retractions.filter((x) => x[0] >= first);
       this.chunks = this.chunks.filter((c) => c[0] >= first);
       for (const [uid, r] of this.runs) {
         while (r.length && r[0][1] < first) r.shift();
@@ -222,6 +229,7 @@
   S.STEP_COLS = STEP_COLS;
   S.ITEM_COLS = ITEM_COLS;
   S.KINDS = KINDS;
+  S.WAIT_REASONS = WAIT_REASONS;
   S.REQ_FIELDS = REQ_FIELDS;
   S.Columns = Columns;
   S.lowerBound = lowerBound;

@@ -18,6 +18,11 @@
       name: `reserved (tokens ÷ page size ${pageSize}, in pages)`,
       line: { color: "#222", dash: "dot", width: 2, shape: "hv" }, hovertemplate: "reserved %{y} pages<extra></extra>" });
     const total = Math.max(s.length ? s.total[s.length - 1] : 1, 1);
+    // pool-full moments: no page free and none evictable (a decode then needs a retraction)
+    const fx = [], fy = [];
+    picks.forEach(([, b, i], k) => { if (s.free[i] === 0 && s.cached[i] === 0) { fx.push(x[k]); fy.push(total); } });
+    data.push({ type: "scatter", x: fx, y: fy, mode: "markers", name: "pool full",
+      marker: { color: style.stall, symbol: "triangle-down", size: 8 }, hovertemplate: "pool full: %{y} of %{y} pages used<extra></extra>" });
     let top = Math.max(total, ...reserved.slice(-2000), 0);
     if (!wholePool) {
       let held = 0;

@@ -1,7 +1,7 @@
 // The timeline: batch composition per step on top, one lane per request below.
 (function (S) {
   "use strict";
-  const { KINDS, lowerBound, color, stepsPerPixel, groups } = S;
+  const { KINDS, WAIT_REASONS, lowerBound, color, stepsPerPixel, groups } = S;
 
   // `fixed` (compare): {x: [lo, hi], y_top} the same for every recording compared, so the same
   // place on the page is the same moment, and bars of the same height are the same size
@@ -68,6 +68,14 @@
     data.push({ type: "scatter", x: sx, y: sy, mode: "markers", name: "decode stalled",
       marker: { color: style.stall, symbol: "triangle-up", size: 7 }, customdata: sc,
       hovertemplate: "%{customdata} decoding request(s) got no token<extra></extra>" });
+    // retractions (optimistic admission ran out of pages): a marker on top of the step
+    const rx = [], ry = [], rc = [];
+    for (const [a, b, peak] of groups(rec, k, (i) => s.retracted[i])) {
+      if (s.retracted[peak]) { rx.push((axis.lo(a) + axis.hi(b)) / 2); ry.push(1.03 * yTop); rc.push(s.retracted[peak]); }
+    }
+    data.push({ type: "scatter", x: rx, y: ry, mode: "markers", name: "retracted",
+      marker: { color: style.stall, symbol: "x", size: 9, line: { width: 1 } }, customdata: rc,
+      hovertemplate: "%{customdata} request(s) retracted: the pool ran out of pages<extra></extra>" });
     const lanes = laneTraces(rec, axis, style, detail);
     data.push(...lanes.data);
     const lanePx = 26 * Math.max(lanes.labels.length, 3);
@@ -145,7 +153,9 @@
     for (const [uid, r] of rec.requests) if (r.state === "waiting" && !rec.firstItemStep.has(uid)) uids.push(uid);
     const shown = uids.slice(-style.max_lanes);
     const label = (u) => `req ${u}`;
-    const segs = { waiting: lane(), chunk: lane(), decode: lane(), stall: lane() };
+    const segs = { waiting: lane(), chunk: lane(), decode: lane(), stall: lane(), retracted: lane() };
+    // why the head of the queue waited at step index i (the step record's waiting reason)
+    const why = (i) => { const r = WAIT_REASONS[s.reason[Math.min(Math.max(i, 0), s.length - 1)]]; return r ? ` (the queue waits: ${r})` : ""; };
     const add = (kind, uid, x0, x1, text, hover) => {
       const g = segs[kind];
       g.y.push(label(uid)); g.base.push(x0); g.x.push(Math.max(x1 - x0, 0));
@@ -161,12 +171,23 @@
       if (r && r.t_queued !== null && r.t_queued !== undefined && !before) {
         const x0 = Math.max(axis.atTime(r.t_queued), startX);
         const x1 = first === undefined ? endX : axis.lo(axis.index(first));
-        if (x1 > x0) add("waiting", uid, x0, x1, "", "waiting");
+        const iEnd = first === undefined ? s.length - 1 : axis.index(first) - 1;
+        if (x1 > x0) add("waiting", uid, x0, x1, "", "waiting" + why(iEnd));
       }
       for (const [a, b] of rec.runs.get(uid) || []) {
         const ia = axis.index(Math.max(a, firstStep)), ib = axis.index(b);
         add("decode", uid, axis.lo(ia), axis.hi(ib), "", `decode steps ${s.step[ia]}–${b} · ${b - s.step[ia] + 1} tokens`);
       }
+    }
+    // a retracted request: the gap from its retraction to its recompute's first chunk
+    for (const [step, uid] of rec.retractions) {
+      if (!set.has(uid)) continue;
+      const ia = axis.index(step);
+      if (ia >= s.length) continue;
+      const back = rec.chunks.find((c) => c[1] === uid && c[0] >= step && c[4] === 3);
+      const ib = back ? axis.index(back[0]) : s.length;
+      const x1 = ib < s.length ? axis.lo(ib) : endX;
+      add("retracted", uid, axis.lo(ia), x1, "", `retracted at step ${step}: KV freed, waiting to be recomputed` + why(ib - 1));
     }
     for (const [step, uid, a, b, kind] of rec.chunks) {
       if (!set.has(uid)) continue;
@@ -189,6 +210,7 @@
       chunk: ["prompt chunk [start:end)", labels ? { pattern: { shape: "/", fillmode: "overlay", fgcolor: "white", fgopacity: 0.8 } } : { opacity: 0.6 }, 0.62],
       decode: ["decoding", {}, 0.62],
       stall: ["stall (no token this step)", {}, 0.62],
+      retracted: ["retracted (waiting to be recomputed)", { color: style.stall, opacity: 0.35, pattern: { shape: "x", fgcolor: style.stall, fgopacity: 0.9, size: 5 } }, 0.45],
     };
     const data = [];
     for (const kind of Object.keys(styles)) {

@@ -12,8 +12,7 @@
 // (the last `window` steps) and lays them out.
 (function (S) {
   "use strict";
-  const { Record, Axis, timelineFigure, kvFigure, progressFigure, itlFigure, aggregateFigure, ranksFigure } = S;
-  const PER_REQUEST = ["kv", "progress", "latency"]; // views an external engine's counts cannot draw
+  const { Record, Axis, timelineFigure, kvFigure, progressFigure, itlFigure } = S;
   const views = new Map(); // parentElement -> its view
   const groups = new Map(); // link group -> the views that zoom together
 
@@ -23,7 +22,6 @@
 
   function legendHtml(view, lod, style) {
     const items = [];
-    if (view === "ranks" || lod === "aggregate") return ""; // plotly's own legend: few traces
     if (view === "timeline") {
       if (lod === "totals") {
         items.push(swatch("decode tokens (all requests)", "background:#555"),
@@ -36,10 +34,12 @@
         swatch("budget (max_extend_tokens)", "border:none;border-top:2px dashed #222;height:0;vertical-align:3px"),
         swatch("decode stalled", `border:none;width:0;height:0;border-left:6px solid transparent;border-right:6px solid transparent;border-bottom:10px solid ${style.stall}`));
       for (const p of style.phases) items.push(swatch(`${p} step`, `background:${style.phase_colors[p]}`));
-      items.push(swatch("waiting", `background:${style.wait}`), swatch("stall (no token)", `background:${style.stall}`));
+      items.push(swatch("waiting", `background:${style.wait}`), swatch("stall (no token)", `background:${style.stall}`),
+        swatch("retracted (✕ on top: pool out of pages; lane: waiting to be recomputed)", `background:${style.stall};opacity:0.45`));
     } else if (view === "kv") {
       for (const k of ["used", "cached", "free"]) items.push(swatch(`${k} pages`, `background:${style.kv[k]}`));
-      items.push(swatch("reserved (promised, not yet allocated)", "border:none;border-top:2px dotted #222;height:0;vertical-align:3px"));
+      items.push(swatch("reserved (promised or estimated, not yet computed)", "border:none;border-top:2px dotted #222;height:0;vertical-align:3px"),
+        swatch("pool full (nothing free or evictable)", `border:none;width:0;height:0;border-left:6px solid transparent;border-right:6px solid transparent;border-top:10px solid ${style.stall}`));
     } else if (view === "latency") {
       items.push(swatch("inter-token latency", "background:#555;border-radius:50%"),
         swatch("after a stall (steps ran without the request)", `background:${style.stall};border-radius:50%`));
@@ -74,7 +74,6 @@
           <button data-view="kv">KV pool</button>
           <button data-view="progress">Decode progress</button>
           <button data-view="latency">Inter-token latency</button>
-          <button data-view="ranks" style="display:none">Ranks</button>
           <label class="sl-whole"><input type="checkbox"> whole pool</label>
           <span class="sl-status"></span>
         </div>
@@ -83,13 +82,11 @@
         <div class="sl-plot sl-timeline"></div>
         <div class="sl-plot sl-kv" style="display:none"></div>
         <div class="sl-plot sl-progress" style="display:none"></div>
-        <div class="sl-plot sl-latency" style="display:none"></div>
-        <div class="sl-plot sl-ranks" style="display:none"></div>`;
+        <div class="sl-plot sl-latency" style="display:none"></div>`;
       el.appendChild(root);
       this.root = root;
       this.plots = { timeline: root.querySelector(".sl-timeline"), kv: root.querySelector(".sl-kv"),
-        progress: root.querySelector(".sl-progress"), latency: root.querySelector(".sl-latency"),
-        ranks: root.querySelector(".sl-ranks") };
+        progress: root.querySelector(".sl-progress"), latency: root.querySelector(".sl-latency") };
       this.title = document.createElement("div");
       this.title.className = "sl-title";
       root.prepend(this.title);
@@ -199,19 +196,13 @@
     draw() {
       if (!this.style || !window.Plotly) return;
       const axis = new Axis(this.rec, this.xmode);
-      this.choose();
       const gd = this.plots[this.view];
       this.drawnX = this.xmode;
       this.drawnPaused = this.paused;
-      this.caption.innerHTML = (this.captions || {})[this.aggregate && this.view === "timeline" ? "aggregate" : this.view] || "";
+      this.caption.innerHTML = (this.captions || {})[this.view] || "";
       this.whole.parentElement.style.display = this.view === "kv" ? "" : "none";
       let fig;
-      if (this.view === "timeline" && this.aggregate) {
-        fig = aggregateFigure(this.rec, axis, this.style);
-        this.lod = "aggregate";
-      } else if (this.view === "ranks") {
-        fig = ranksFigure(this.rec, axis, this.style);
-      } else if (this.view === "timeline") {
+      if (this.view === "timeline") {
         // a user's zoom (kept by uirevision) decides which steps are in view; switching the
         // x axis between steps and time starts a new revision, so the zoom resets with it
         const full = gd._fullLayout && gd._fullLayout.xaxis;
@@ -255,26 +246,9 @@
       const n = this.rec.steps.length;
       const last = n ? this.rec.steps.step[n - 1] : null;
       this.status.textContent = n
-        ? `${n} steps held (last #${last})` + (this.view === "timeline" && !this.aggregate ? ` · ${fig.nView} in view · ${this.lod === "segments" ? "per-request segments" : "per-step totals (zoom in for requests)"}` : "") + (this.static ? " · the whole recording" : this.paused ? " · paused" : "")
+        ? `${n} steps held (last #${last})` + (this.view === "timeline" ? ` · ${fig.nView} in view · ${this.lod === "segments" ? "per-request segments" : "per-step totals (zoom in for requests)"}` : "") + (this.static ? " · the whole recording" : this.paused ? " · paused" : "")
         : this.static ? "This recording has no steps." : "No engine steps recorded yet: submit a prompt.";
       Object.assign(this.root.dataset, { updates: this.updates, steps: n, lod: this.lod || "", last: last === null ? "" : last });
-    }
-
-    // An external engine's steps carry counts, not requests: its timeline is the aggregate
-    // figure and the per-request views go; a tensor-parallel engine's steps add the ranks view.
-    choose() {
-      const s = this.rec.steps, n = s.length;
-      this.aggregate = !!(n && s.agg[n - 1]);
-      const hasRanks = s.ranks.some((r) => r);
-      const shown = { ranks: hasRanks };
-      for (const v of PER_REQUEST) shown[v] = !this.aggregate;
-      this.root.querySelectorAll("button[data-view]").forEach((b) => {
-        if (b.dataset.view in shown) b.style.display = shown[b.dataset.view] ? "" : "none";
-      });
-      if (shown[this.view] === false) this.select("timeline");
-      const ranksButton = this.root.querySelector("button[data-view='ranks']");
-      const slow = hasRanks ? S.slowestRank(this.rec) : null;
-      ranksButton.textContent = slow === null ? "Ranks" : `Ranks (slowest: ${slow})`;
     }
 
     select(view) {
