@@ -21,6 +21,7 @@ import dataclasses
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 # `streamlit run app/main.py` puts app/ on sys.path, not the project root that holds `app`.
@@ -46,6 +47,7 @@ REFRESH_S = sidebar.REFRESH_S
 # While the page waits on the engine (controls not drawn yet, a prompt held), it looks this often
 # whether the full page must be redrawn; once whole, this watch is not drawn at all.
 WATCH_S = 0.25
+SETTLE_S = 1.0  # after a full run, before a fragment may ask for the next one
 # An external engine's OpenAI endpoint: `streamlit run app/main.py -- --openai-url URL` or env.
 OPENAI_URL = external.openai_url_from(sys.argv[1:], os.environ)
 
@@ -101,6 +103,11 @@ def page_outdated(link: EngineLink) -> bool:
     full run then, so the page is whole without a click. Never during a full run: it draws the
     page anyway, and a rerun would drop what started it (a form's Submit)."""
     if session.FULL_RUN.get():
+        return False
+    # Not while the browser may still be mounting what the last full run drew: a rerun of the
+    # whole app asked for then went out with the new widgets at their first values (seen: Live
+    # off and 100 steps in view, so the charts froze after their first update).
+    if time.monotonic() - session.FULL_RUN_END.get() < SETTLE_S:
         return False
     return (
         page_mode(link) != session.PAGE_MODE.get()
@@ -329,6 +336,7 @@ def main() -> None:
         page()
     finally:  # also when a rerun or an error ends this run early
         session.FULL_RUN.set(False)
+        session.FULL_RUN_END.set(time.monotonic())
 
 
 def page() -> None:

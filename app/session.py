@@ -86,6 +86,7 @@ MODE_CURSOR = Field["int | None"]("mode_cursor")
 FACTS_CURSOR = Field["int | None"]("facts_cursor")
 CONTROLS_WAITING = Field[bool]("controls_waiting", False)  # drawn without the engine's config
 FULL_RUN = Field[bool]("full_run", False)  # a full page run is under way (not a fragment's)
+FULL_RUN_END = Field[float]("full_run_end", 0.0)  # when the last full run ended (monotonic s)
 # the prompt form's widgets
 PROMPT_TEXT = Field[str]("prompt_text", "")
 MAX_TOKENS = Field[int]("max_tokens", 64)
