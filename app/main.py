@@ -48,6 +48,7 @@ REFRESH_S = sidebar.REFRESH_S
 # whether the full page must be redrawn; once whole, this watch is not drawn at all.
 WATCH_S = 0.25
 SETTLE_S = 1.0  # after a full run, before a fragment may ask for the next one
+HELLO_WAIT_S = 2.0  # a full run waits this long at most for a connecting engine's config
 # An external engine's OpenAI endpoint: `streamlit run app/main.py -- --openai-url URL` or env.
 OPENAI_URL = external.openai_url_from(sys.argv[1:], os.environ)
 
@@ -107,13 +108,28 @@ def page_outdated(link: EngineLink) -> bool:
     # Not while the browser may still be mounting what the last full run drew: a rerun of the
     # whole app asked for then went out with the new widgets at their first values (seen: Live
     # off and 100 steps in view, so the charts froze after their first update).
-    if time.monotonic() - session.FULL_RUN_END.get() < SETTLE_S:
+    # Nor from the first timed fragment run after it: that run is the browser's first word
+    # since it drew the page.
+    ticks = session.TICKS_SINCE_FULL_RUN.get() + 1
+    session.TICKS_SINCE_FULL_RUN.set(ticks)
+    if ticks < 2 or time.monotonic() - session.FULL_RUN_END.get() < SETTLE_S:
         return False
     return (
         page_mode(link) != session.PAGE_MODE.get()
         or session.controls_outdated(link)
         or session.held_outdated()
     )
+
+
+def await_hello(link: EngineLink) -> None:
+    """An engine that is up answers within a moment: wait for its config (briefly) so this
+    run draws the controls, rather than asking for another whole run once it arrives (a
+    whole-app rerun asked by a fragment while the live charts pull is what froze them)."""
+    deadline = time.monotonic() + HELLO_WAIT_S
+    while link.store.snapshot(last_steps=0).config is None and time.monotonic() < deadline:
+        if link.status().state not in ("connecting", "connected"):
+            return  # nothing answers (yet): the engine is starting, or gone
+        time.sleep(0.02)
 
 
 def redraw_when_outdated(link: EngineLink) -> None:
@@ -337,6 +353,7 @@ def main() -> None:
     finally:  # also when a rerun or an error ends this run early
         session.FULL_RUN.set(False)
         session.FULL_RUN_END.set(time.monotonic())
+        session.TICKS_SINCE_FULL_RUN.set(0)
 
 
 def page() -> None:
@@ -360,6 +377,8 @@ def page() -> None:
     problem = valid_url(target.url)
     replay = replay_ui.sidebar()  # an open recording stands in for the engine (app/replay_ui.py)
     link = replay or (None if problem else engine_link(target.url))
+    if link is not None and replay is None:
+        await_hello(link)
     launcher = engine_launcher()
     mode = page_mode(link) if link is not None else external.ExternalMode(False)
     session.PAGE_MODE.set(mode)
