@@ -83,6 +83,7 @@ def test_kv_pressure_preset_under_both_admission_modes(tiny_llama_dir: Path) -> 
         _view(page, "kv")
         page.wait_for_function(f"() => ({TRACE_POINTS_JS})(['{KV}', 'pool full']) === 0")
         if SHOTS:
+            page.mouse.move(5, 5)
             page.locator(".stepscope-live").screenshot(
                 path=str(Path(SHOTS) / "kv-pressure-reserve.png")
             )
@@ -98,6 +99,7 @@ def test_kv_pressure_preset_under_both_admission_modes(tiny_llama_dir: Path) -> 
         assert sum(len(s.get("retracted") or ()) for s in steps) >= 3
         page.wait_for_function(f"() => ({TRACE_POINTS_JS})(['{TIMELINE}', 'retracted']) > 0")
         if SHOTS:
+            page.mouse.move(5, 5)  # no tooltip over the charts
             page.locator(".stepscope-live").screenshot(
                 path=str(Path(SHOTS) / "kv-pressure-optimistic.png")
             )
