@@ -32,6 +32,7 @@ import streamlit as st  # noqa: E402
 
 from app import controls, external, fleet_ui, panels, replay_ui, session, sidebar, workloads  # noqa: E402
 from app.client import EngineLink, valid_url  # noqa: E402
+from app.fleet_replay_ui import open_fleet_recording, render_fleet_recording  # noqa: E402
 from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
 from app.live.component import LIVE_EVERY_S  # noqa: E402
@@ -42,6 +43,9 @@ MODEL = os.environ.get("STEPSCOPE_MODEL", "smollm2")
 AUTOSTART = os.environ.get("STEPSCOPE_AUTOSTART", "1") != "0"
 ENGINE_ARGS = tuple(shlex.split(os.environ.get("STEPSCOPE_ENGINE_ARGS", "")))
 REFRESH_S = sidebar.REFRESH_S
+# While the page waits on the engine (controls not drawn yet, a prompt held), it looks this often
+# whether the full page must be redrawn; once whole, this watch is not drawn at all.
+WATCH_S = 0.25
 # An external engine's OpenAI endpoint: `streamlit run app/main.py -- --openai-url URL` or env.
 OPENAI_URL = external.openai_url_from(sys.argv[1:], os.environ)
 
@@ -103,6 +107,13 @@ def page_outdated(link: EngineLink) -> bool:
         or session.controls_outdated(link)
         or session.held_outdated()
     )
+
+
+def redraw_when_outdated(link: EngineLink) -> None:
+    """Draws nothing: asks for the full page once what it shows is outdated (the first minute:
+    the engine's config arrived, a held prompt was sent)."""
+    if page_outdated(link):
+        st.rerun(scope="app")
 
 
 # ---- main area --------------------------------------------------------------------------------
@@ -326,6 +337,10 @@ def page() -> None:
     # Another tab may have changed the process's URL: show it here too.
     if session.URL.get() != target.url:
         session.URL.set(target.url)
+    fleet_trace = open_fleet_recording()  # a fleet recording stands in for the fleet
+    if fleet_trace.folder is not None:
+        render_fleet_recording(fleet_trace)
+        return
     fleet, fleet_problem = fleet_ui.spec_for(target.url, sys.argv[1:], os.environ)
     if fleet is not None or fleet_problem is not None:  # several engines: the fleet page
         sidebar.render(None, target)
@@ -357,6 +372,8 @@ def page() -> None:
     # Few fragments, each doing several views' work: every fragment run is a turn of the one
     # script thread, which the live charts' pulls wait behind (issue 13: several updates a second)
     st.fragment(top_panels, run_every=REFRESH_S)(link, launcher)
+    if session.awaiting_engine():
+        st.fragment(redraw_when_outdated, run_every=WATCH_S)(link)
     prompt_form(link, mode)
     notices_line()
     replay_ui.panels()

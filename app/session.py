@@ -56,7 +56,9 @@ class Field(Generic[T]):
         self._factory = factory
 
     def _new(self) -> T:
-        return self._factory() if self._factory is not None else self._default  # type: ignore[return-value]
+        if self._factory is not None:
+            return self._factory()
+        return self._default  # type: ignore[return-value]  # None for an optional field
 
     def get(self) -> T:
         ss = st.session_state
@@ -223,6 +225,12 @@ def settle_held() -> None:
     for k, notice in enumerate(items):
         if (settled := _settled(notice)) is not None:
             items[k] = settled
+
+
+def awaiting_engine() -> bool:
+    """This run drew the page before the engine was ready for it: the scheduling controls are
+    missing, or a notice says a prompt or workload is held."""
+    return CONTROLS_WAITING.get() or any(n.held is not None for n in notices())
 
 
 def controls_waiting(waiting: bool) -> None:

@@ -31,20 +31,20 @@ fi
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 echo "== admission ($(date +%T))"
-if [ -f scripts/bench_admission.py ]; then
-  if [ "$SCALE" = 1 ]; then ADM="--requests 256 --max-output 1024 --num-pages 2000"; else ADM="--requests 16 --max-output 48"; fi
-  timeout 200 $PY scripts/bench_admission.py --device "$DEVICE" --model "$MODEL" $LOAD $ADM \
+if [ -f scripts/bench_admission.py ] && [ -z "${SKIP_ADMISSION:-}" ]; then
+  if [ "$SCALE" = 1 ]; then ADM="--requests 128 --max-output 512 --num-pages 1200 --max-running-req 128 --budget 2048"; else ADM="--requests 16 --max-output 48"; fi
+  timeout 150 $PY scripts/bench_admission.py --device "$DEVICE" --model "$MODEL" $LOAD $ADM \
     2>&1 | tee "$OUT/admission.txt" | tail -30
 fi
 echo "== fleet ($(date +%T))"
 if [ "$SCALE" = 1 ]; then
-  FLEET="--replicas 4 --requests 160 --inflight 32 --system-words 1200 --max-tokens 64"
+  FLEET="--replicas 4 --requests 128 --inflight 32 --system-words 1200 --max-tokens 64"
   ENGINE="--num-pages 6000 --max-running-req 64 --no-cuda-graph"
 else
   FLEET="--replicas 2 --requests 12 --inflight 4 --system-words 40 --max-tokens 8"
   ENGINE="--threads 1"
 fi
-timeout 260 $PY scripts/bench_fleet.py $FLEET --out "$OUT/fleet.json" -- \
+timeout 210 $PY scripts/bench_fleet.py $FLEET --out "$OUT/fleet.json" -- \
   --model "$MODEL" --device "$DEVICE" $LOAD $ENGINE 2>"$OUT/fleet.err" | tee "$OUT/fleet.txt"
 tail -c 3000 "$OUT/fleet.err"
 echo "== done ($(date +%T))"

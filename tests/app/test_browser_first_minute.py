@@ -5,7 +5,8 @@ the engine itself (the tiny random Llama here, so the test stays short). While i
 types a prompt and clicks Submit, and then clicks nothing else. Within 2 s of the sidebar's
 "connected", the page must be whole: the `max_extend_tokens` slider is there, the notice that the
 prompt is held is gone, and the prompt's request runs (issue 24, "The first minute is broken":
-the controls used to wait for a click that redrew the page).
+the controls used to wait for a click that redrew the page). The held prompt then runs: its
+steps reach the live charts.
 
 STEPSCOPE_FIRST_MINUTE_MODEL=smollm2 runs it on the bundled model, as `streamlit run` does.
 """
@@ -73,9 +74,11 @@ def test_the_first_minute_needs_no_click_after_submit(tiny_llama_dir: Path) -> N
             expect(page.get_by_text("Starting the engine")).to_be_visible()
             expect(page.get_by_text("the scheduling controls appear once")).to_be_visible()
             page.evaluate(WATCH_JS, HELD)
-            submit(page, "The first minute of a new user. " * 4, 8)
+            page.get_by_text("ignore EOS").click()  # a random model may stop early otherwise
+            submit(page, "The first minute of a new user. " * 4, 12)
             held = page.get_by_test_id("stAlertContentSuccess").get_by_text(HELD)
             expect(held).to_be_visible()
+            expect(page.get_by_text("held until the engine is connected")).to_be_visible()
 
             # no click from here on
             page.wait_for_function("() => window.__firstMinute.whole !== null", timeout=60_000)
@@ -92,6 +95,10 @@ def test_the_first_minute_needs_no_click_after_submit(tiny_llama_dir: Path) -> N
             ok = page.get_by_test_id("stAlertContentSuccess")
             expect(ok.get_by_text("submitted: request 0")).to_be_visible()
             expect(page.get_by_text("requests 0")).to_be_visible()
+            page.wait_for_function(
+                "() => { const r = document.querySelector('.stepscope-live'); "
+                "return r && Number(r.dataset.steps) > 3; }"
+            )
             assert page.get_by_test_id("stAlertContentError").count() == 0
         finally:
             browser.close()

@@ -6,7 +6,7 @@
   of each live update (the Performance API). A zoom (`Plotly.relayout`, as a drag does)
   survives ten live updates while new steps are drawn.
 - The KV page map marks a shared prefix and frees an aborted request's cells.
-- The Abort button shows success; a prompt submitted before the engine is up runs once it is.
+- The Abort button shows success (a prompt held until the engine is up: test_browser_first_minute).
 
 Numbers go to stdout and, with STEPSCOPE_BENCH_OUT=path, to a JSON file (docs/benchmarks.md).
 STEPSCOPE_BROWSER_BENCH=1 runs the measurement against the classic page (minutes: skipped
@@ -34,7 +34,6 @@ from tests.app.test_browser import (
     CHROMIUM,
     CHROMIUM_ARGS,
     act_until,
-    free_port,
     running_app,
     running_engine,
     status_line,
@@ -410,23 +409,3 @@ def page_url_busy(tiny_llama_long_dir: Path) -> Iterator[str]:
         running_app(engine) as app,
     ):
         yield app
-
-
-def test_a_prompt_submitted_before_the_engine_is_up_runs_once_it_is(tiny_llama_dir: Path) -> None:
-    port = free_port()
-    with (
-        running_app(f"ws://127.0.0.1:{port}") as app,
-        browser_page(app) as (_, page),
-    ):
-        sync_api.expect(page.get_by_text("not connected")).to_be_visible()
-        page.get_by_text("ignore EOS").click()
-        submit(page, "Hello before the engine is up. " * 3, 12)
-        sync_api.expect(status_line(page, "your prompt is held")).to_be_visible()
-        sync_api.expect(page.get_by_text("held until the engine is connected")).to_be_visible()
-        with running_engine(tiny_llama_dir, "--max-extend-tokens", "32", port=port):
-            sync_api.expect(page.get_by_text("requests 0")).to_be_visible()
-            page.wait_for_function(
-                f"() => {{ const r = document.querySelector('{LIVE}'); "
-                "return r && Number(r.dataset.steps) > 3; }"
-            )
-            assert page.get_by_test_id("stAlertContentError").count() == 0
