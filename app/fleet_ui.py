@@ -238,6 +238,14 @@ def apply_config(links: Sequence[EngineLink], choice: str, command: Message) -> 
     return out
 
 
+def live_summary(links: Sequence[Any], configs_known: bool) -> None:
+    """The summary, once a second; the first time every replica's config is in, the whole page
+    once more, so the controls show the engines' values without a click (the first minute)."""
+    if not configs_known and all(link.store.snapshot(last_steps=0).config for link in links):
+        st.rerun(scope="app")
+    summary_table(links)
+
+
 def controls_form(links: Sequence[Any], disabled: str | None = None) -> None:
     """Budget, policy and (where the engines have it) admission, for one replica or all.
     `disabled`: why they cannot act (a replay): shown at the engines' values, read-only."""
@@ -340,7 +348,8 @@ def render(spec: FleetSpec) -> None:
         f"Replicas from {spec.source}{gateway}. Each replica's batches, chunk lanes, KV and "
         "waiting queue below, on one clock (seconds since the first engine started)."
     )
-    st.fragment(summary_table, run_every=REFRESH_S)(links)
+    known = all(link.store.snapshot(last_steps=0).config for link in links)
+    st.fragment(live_summary, run_every=REFRESH_S)(links, known)
     controls_form(links)
     prompt_form(links, spec)
     for i, link in enumerate(links):

@@ -10,7 +10,9 @@ new one for each that finishes), opens the page in Debian's chromium (Playwright
 the charts draw, then counts over `--seconds`:
 
 - the engine's steps per second (the step messages the protocol client receives);
-- the page's chart updates per second (the component's `data-updates`: batches drawn);
+- the page's updates per second: redraws that drew new steps (each change of the charts'
+  last step, `data-last`, seen by a MutationObserver; batches that only changed request rows
+  are not counted);
 - steps per update, the pull round trip (from the browser's pull to Streamlit's answer, the
   `stepscope-pull` measure) and the main-thread time per update (`stepscope-update`).
 
@@ -181,15 +183,24 @@ def page_state(page: object) -> dict:
     )
 
 
+OBSERVE_JS = f"""() => {{
+    const r = document.querySelector('{LIVE}');
+    window.__drawn = 0; window.__lastSeen = r.dataset.last;
+    new MutationObserver(() => {{
+        if (r.dataset.last !== window.__lastSeen) {{ window.__lastSeen = r.dataset.last; window.__drawn++; }}
+    }}).observe(r, {{attributes: true, attributeFilter: ['data-last']}});
+}}"""
+
+
 def measure(page: object, load: Workload, seconds: float) -> Result:
-    s0, u0 = load.steps, int(page_state(page).get("updates") or 0)
-    st0 = int(page_state(page).get("steps") or 0)
+    page.evaluate(OBSERVE_JS)  # type: ignore[attr-defined]
+    s0, last0 = load.steps, int(page_state(page).get("last") or 0)
     t0 = time.monotonic()
     page.wait_for_timeout(seconds * 1000)  # type: ignore[attr-defined]
     t1 = time.monotonic()
     s1, info = load.steps, page_state(page)
-    u1 = int(info.get("updates") or 0)
-    drawn = int(info.get("steps") or 0) - st0
+    u0, u1 = 0, int(page.evaluate("() => window.__drawn"))  # type: ignore[attr-defined]
+    drawn = int(info.get("last") or 0) - last0
     span = t1 - t0
     marks = page.evaluate(  # type: ignore[attr-defined]
         "(n) => ['stepscope-pull', 'stepscope-update'].map(k => "
@@ -210,7 +221,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=2000)
+    ap.add_argument("--max-tokens", type=int, default=400, help="each request's (then replaced)")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--runs", type=int, default=1, help="measurements in a row, same processes")
     ap.add_argument("--engine-args", default="", help="extra engine.server flags")
@@ -239,7 +250,7 @@ def main() -> int:
         )
         say(f"drawing; {load.steps} engine steps so far")
         waited = 0
-        while load.decoding < args.requests:
+        while load.decoding < args.requests and waited < 240:  # at most 2 minutes
             page.wait_for_timeout(500)
             waited += 1
             if waited % 20 == 0:

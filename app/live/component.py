@@ -53,7 +53,7 @@ SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "pagemap.js", "swee
 # script-thread turns from the pulls).
 PULL_MS = 100
 IDLE_MS = 0
-HOLD_S = 0.5
+HOLD_S = 0.3  # bounds how long a click waits behind a held pull, too
 LIVE_EVERY_S = 1.0
 OVERLAP = 3  # batches each payload covers
 # Level of detail: per-request segments while each step in view is at least this many pixels

@@ -98,14 +98,7 @@ class StepEncoder:
         `ended` maps requests known to have ended to their end time: a request that finished
         is not stalled in the steps after its end, and its trailing gap is no stall.
         """
-        cols: dict[str, list] = {
-            k: []
-            for k in (
-                "step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total",
-                "reserved", "waiting", "running", "prompt", "decode", "wasted", "stalled",
-                "sampled", "retracted", "reason",
-            )
-        }  # fmt: skip
+        cols: dict[str, list] = {k: [] for k in STEP_COLUMNS}
         items: dict[str, list] = {k: [] for k in ITEM_FIELDS}
         packed: list[dict[str, Any]] = []
         stalls: list[list] = []
@@ -243,16 +236,23 @@ class StepEncoder:
             ("step", number), ("t0", _r(t0)), ("t1", _r(t1)),
             ("phase", PHASES.index(s["phase"]) if s["phase"] in PHASES else 2),
             ("budget", int(s.get("budget") or 0)),
-            ("used", int(kv.get("used", 0))), ("cached", int(kv.get("cached", 0))),
-            ("free", int(kv.get("free", 0))), ("total", int(kv.get("total", 0))),
-            ("reserved", int(kv.get("reserved", 0))),
-            ("waiting", int(queue.get("waiting", 0))), ("running", int(queue.get("running", 0))),
+            ("used", int(kv.get("used") or 0)), ("cached", int(kv.get("cached") or 0)),
+            ("free", int(kv.get("free") or 0)), ("total", int(kv.get("total") or 0)),
+            ("reserved", int(kv.get("reserved") or 0)),
+            ("waiting", int(queue.get("waiting") or 0)), ("running", int(queue.get("running") or 0)),
             ("prompt", prompt), ("decode", decode), ("wasted", wasted), ("stalled", stalled),
             ("sampled", len(sampled)), ("retracted", len(s.get("retracted") or ())),
             ("reason", REASONS.index(queue.get("waiting_reason"))
              if queue.get("waiting_reason") in REASONS else 0),
         ):  # fmt: skip
             cols[key].append(value)
+
+
+STEP_COLUMNS = (
+    "step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total", "reserved",
+    "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled", "retracted",
+    "reason",
+)  # fmt: skip
 
 
 def _start(it: Message) -> int:

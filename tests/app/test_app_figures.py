@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from app import compare
-from app.derive import headline, stalls, token_gaps, tracks
+from app.derive import headline
 from app.live.component import style
 from instrumentation.fold import stalls as fold_stalls
 from instrumentation.fold import summarize
@@ -79,24 +79,6 @@ def stall_steps() -> list[Message]:
 
 
 # ---- derived facts ------------------------------------------------------------------------------
-
-
-def test_tracks_and_token_gaps_follow_sampling_items() -> None:
-    steps = stall_steps()
-    t = tracks(steps)
-    assert t[0].token_steps == [0, 1, 5]
-    assert t[1].chunks == [(2, "chunk", 0, 16), (3, "chunk", 16, 32), (4, "prefill", 32, 48)]
-    g = token_gaps(steps, t[0])
-    assert g.itl == pytest.approx([0.1, 0.4])
-    assert g.stalled.tolist() == [False, True]
-
-
-def test_stalls_include_a_trailing_one_only_while_running() -> None:
-    steps = stall_steps()[:4]  # request 0 has not decoded again yet
-    running = stalls(steps, tracks(steps), {0: {"state": "running"}})
-    assert [(s.uid, s.first, s.last, s.ongoing) for s in running] == [(0, 2, 3, True)]
-    assert running[0].seconds == pytest.approx(0.2)
-    assert stalls(steps, tracks(steps), {0: {"state": "aborted"}}) == []
 
 
 def test_headline_numbers() -> None:

@@ -1,17 +1,18 @@
 """The live page in Debian's chromium against real engines (tiny random Llama), measured.
 
+- The page keeps up with the engine: with 16 requests decoding, the redraws that drew new steps
+  per second against the engine's steps per second, in the same run (a ratio, with a wide
+  margin: scripts/bench_live_page.py measures the target on SmolLM2). A zoom
+  (`Plotly.relayout`, as a drag does) survives ten live updates while new steps are drawn.
 - 64 requests in flight and 5,000 steps in view: the bytes the page's own WebSocket receives per
-  second and the chart updates per second (the DevTools protocol's frame events), the live
-  charts against the classic page (`?charts=classic`) in the same run, and the main-thread time
-  of each live update (the Performance API). A zoom (`Plotly.relayout`, as a drag does)
-  survives ten live updates while new steps are drawn.
+  second and the chart updates per second (the DevTools protocol's frame events), and the
+  main-thread time of each live update (the Performance API).
 - The KV page map marks a shared prefix and frees an aborted request's cells.
 - The Abort button shows success (a prompt held until the engine is up: test_browser_first_minute).
 
 Numbers go to stdout and, with STEPSCOPE_BENCH_OUT=path, to a JSON file (docs/benchmarks.md).
-STEPSCOPE_BROWSER_BENCH=1 runs the measurement against the classic page (minutes: skipped
-otherwise). STEPSCOPE_BROWSER_STEPS sets the steps in view (default 600, so the suite stays short; the
-recorded figures use 5,000).
+STEPSCOPE_BROWSER_BENCH=1 runs the 64-request measurement (minutes: skipped otherwise).
+STEPSCOPE_BROWSER_STEPS sets its steps in view (default 600; the recorded figures use 5,000).
 """
 
 from __future__ import annotations
@@ -156,24 +157,67 @@ class FrameMeter:
         got = [f for f in self.frames if t0 <= f[0] < t1]
         return sum(f[1] for f in got) / (t1 - t0), sum(f[2] for f in got) / (t1 - t0)
 
-    def measure_updates(self, n: int, timeout_s: float) -> tuple[float, float]:
-        """(bytes per second, chart updates per second) over whole update cycles: from one
-        chart-carrying frame to the n-th after it. For a page that updates every few seconds
-        or less often, where a fixed window would catch zero or one update."""
-        deadline = time.monotonic() + timeout_s
-        start = len(self.frames)
 
-        def marks() -> list[int]:
-            return [k for k in range(start, len(self.frames)) if self.frames[k][2]]
 
-        while len(marks()) < n + 1:
-            assert time.monotonic() < deadline, f"fewer than {n + 1} chart updates in {timeout_s} s"
-            self.page.wait_for_timeout(250)  # type: ignore[attr-defined]
-        m = marks()
-        first, last = self.frames[m[0]][0], self.frames[m[n]][0]
-        # the bytes of every frame after the first update, up to and including the n-th
-        got = self.frames[m[0] + 1 : m[n] + 1]
-        return sum(f[1] for f in got) / (last - first), n / (last - first)
+# Counts the redraws that drew new steps: each change of the charts' last step.
+OBSERVE_JS = f"""() => {{
+    const r = document.querySelector('{LIVE}');
+    window.__drawn = 0; window.__lastSeen = r.dataset.last;
+    new MutationObserver(() => {{
+        if (r.dataset.last !== window.__lastSeen) {{ window.__lastSeen = r.dataset.last; window.__drawn++; }}
+    }}).observe(r, {{attributes: true, attributeFilter: ['data-last']}});
+}}"""
+
+
+def _zoom_survives_live_updates(page: object) -> None:
+    """Zoom as a drag does: the range survives ten updates, new steps keep coming and are
+    drawn outside it, and the zoomed-in view shows per-request segments again."""
+    last = int(dataset(page)["last"])
+    lo, hi = last - 80.5, last - 30.5  # 50 steps: under the segment budget at 64 requests
+    page.evaluate(  # type: ignore[attr-defined]
+        f"() => Plotly.relayout(document.querySelector('{TIMELINE}'), "
+        f"{{'xaxis.range': [{lo}, {hi}]}})"
+    )
+    u1 = updates(page)
+    page.wait_for_function(f"() => Number(({_UPDATES_JS})()) >= {u1 + 10}")  # type: ignore[attr-defined]
+    rng = page.evaluate(f"() => document.querySelector('{TIMELINE}')._fullLayout.xaxis.range")  # type: ignore[attr-defined]
+    assert abs(rng[0] - lo) < 1e-6 and abs(rng[1] - hi) < 1e-6
+    after = dataset(page)
+    assert int(after["last"]) > last  # new steps arrived ...
+    drawn = page.evaluate(  # type: ignore[attr-defined]
+        f"() => Math.max(...document.querySelector('{TIMELINE}').data"
+        ".find(t => t.name.startsWith('budget')).x)"
+    )
+    assert drawn > last + 0.5  # ... and are drawn, outside the zoomed range
+    assert after["lod"] == "segments"  # zoomed in: per-request detail again
+
+
+def test_the_page_keeps_up_with_the_engine_and_a_zoom_survives_live_updates(
+    tiny_llama_dir: Path,
+) -> None:
+    flags = ("--max-running-req", "16", "--policy", "mixed", "--threads", "1")
+    with (
+        running_engine(tiny_llama_dir, *flags) as engine,
+        running_app(engine) as app,
+        browser_page(app) as (_, page),
+    ):
+        sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
+        with Workload(engine, 16, max_tokens=900) as load:
+            page.wait_for_function(f"() => Number(({_UPDATES_JS})()) > 5")
+            page.evaluate(OBSERVE_JS)
+            s0, t0 = load.steps, time.monotonic()
+            page.wait_for_timeout(8_000)
+            drawn, span = page.evaluate("() => window.__drawn"), time.monotonic() - t0
+            engine_rate, page_rate = (load.steps - s0) / span, drawn / span
+            print(f"engine {engine_rate:.2f} steps/s, page {page_rate:.2f} updates/s")
+            # the target is min(10, 0.8 x the engine's rate) (scripts/bench_live_page.py); a
+            # loaded CI machine gets a wide margin: half the engine's rate, or 1.5 a second.
+            # This tiny model steps 25-50 times a second, so the page is bound by Streamlit's
+            # round trip: a shared 2-core machine at load 6-20 drew 1.9-3 updates a second; a
+            # page left to its charts' 1-second timer (no pulls answered) would draw one
+            assert engine_rate > 0
+            assert page_rate >= min(1.5, 0.5 * engine_rate)
+            _zoom_survives_live_updates(page)
 
 
 def _set_window(page: object, presses: int) -> None:
@@ -184,17 +228,14 @@ def _set_window(page: object, presses: int) -> None:
         time.sleep(0.5)
 
 
-# A measurement of minutes (its steps are made live, 5-20 a second on CPU), and its figures are
-# compared against the classic page's in the same run: a benchmark, run on request only
-# (STEPSCOPE_BROWSER_BENCH=1), so the suite stays within its ten minutes
+# A measurement of minutes (its steps are made live, 5-20 a second on CPU): a benchmark, run on
+# request only (STEPSCOPE_BROWSER_BENCH=1), so the suite stays within its time
 @pytest.mark.skipif(
     os.environ.get("STEPSCOPE_BROWSER_BENCH") != "1",
     reason="a benchmark of minutes: set STEPSCOPE_BROWSER_BENCH=1 to run it",
 )
 @pytest.mark.timeout(max(1200, 2 * STEPS))
-def test_live_page_at_64_requests_and_5000_steps_against_the_classic_page(
-    tiny_llama_dir: Path,
-) -> None:
+def test_live_page_at_64_requests_and_5000_steps(tiny_llama_dir: Path) -> None:
     windows = (100, 250, 500, 1000, 2000, 5000)  # app.session.WINDOWS; 500 is the default
     window = min(w for w in windows if w >= STEPS)
     presses = windows.index(window) - windows.index(500)
@@ -204,21 +245,23 @@ def test_live_page_at_64_requests_and_5000_steps_against_the_classic_page(
     with (
         running_engine(tiny_llama_dir, *flags) as engine,
         running_app(engine) as app,
-        browser_page(app) as (browser, page),
+        browser_page(app) as (_, page),
     ):
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
         meter = FrameMeter(page, b"stepscope.live")
         _set_window(page, presses)
-        with Workload(engine, REQUESTS, max_tokens=900):
+        with Workload(engine, REQUESTS, max_tokens=900) as load:
             page.wait_for_function(
                 f"() => {{ const r = document.querySelector('{LIVE}'); "
                 f"return r && Number(r.dataset.steps) >= {STEPS}; }}",
                 timeout=STEPS * 1000,
             )
-            u0 = updates(page)
+            u0, s0 = updates(page), load.steps
             t0 = time.monotonic()
             result["live_bytes_per_s"], result["live_frames_per_s"] = meter.measure(MEASURE_S)
-            result["live_updates_per_s"] = (updates(page) - u0) / (time.monotonic() - t0)
+            span = time.monotonic() - t0
+            result["live_updates_per_s"] = (updates(page) - u0) / span
+            result["engine_steps_per_s"] = (load.steps - s0) / span
             times = page.evaluate(
                 "(n) => performance.getEntriesByName('stepscope-update').slice(-n)"
                 ".map(e => e.duration)",
@@ -228,68 +271,22 @@ def test_live_page_at_64_requests_and_5000_steps_against_the_classic_page(
                 "() => performance.getEntriesByName('stepscope-pull').slice(-40)"
                 ".map(e => e.duration)"
             )
-            if pulls:  # from a pull to its answer: Streamlit's round trip
+            if pulls:  # from a pull to its answer: Streamlit's round trip (and the hold)
                 result["pull_round_trip_ms_median"] = statistics.median(pulls)
             result["live_update_ms_median"] = statistics.median(times)
             result["live_update_ms_p90"] = sorted(times)[int(0.9 * (len(times) - 1))]
             result["plotly_floor_ms"] = page.evaluate(FLOOR_JS)
+            result["live_bytes_per_update"] = result["live_bytes_per_s"] / max(
+                result["live_updates_per_s"], 1e-9
+            )
             info = dataset(page)
             assert int(info["steps"]) >= STEPS
             if SHOTS:
                 page.screenshot(path=str(Path(SHOTS) / "live-64-requests.png"))
-
-            # zoom as a drag does: the range survives ten updates, new steps keep coming
-            last = int(info["last"])
-            lo, hi = last - 80.5, last - 30.5  # 50 steps × 64 items: under the segment budget
-            page.evaluate(
-                f"() => Plotly.relayout(document.querySelector('{TIMELINE}'), "
-                f"{{'xaxis.range': [{lo}, {hi}]}})"
-            )
-            u1 = updates(page)
-            page.wait_for_function(f"() => Number(({_UPDATES_JS})()) >= {u1 + 10}")
-            rng = page.evaluate(
-                f"() => document.querySelector('{TIMELINE}')._fullLayout.xaxis.range"
-            )
-            assert abs(rng[0] - lo) < 1e-6 and abs(rng[1] - hi) < 1e-6
-            after = dataset(page)
-            assert int(after["last"]) > last  # new steps arrived ...
-            drawn = page.evaluate(
-                f"() => Math.max(...document.querySelector('{TIMELINE}').data"
-                ".find(t => t.name.startsWith('budget')).x)"
-            )
-            assert drawn > last + 0.5  # ... and are drawn, outside the zoomed range
-            assert after["lod"] == "segments"  # zoomed in: per-request detail again
-            page.close()
-
-            # today's page, same app, same engine, same load
-            classic = browser.new_page(viewport={"width": 1600, "height": 1300})
-            classic.set_default_timeout(120_000)
-            meter = FrameMeter(classic, b"chart-timeline")
-            classic.goto(app + "/?charts=classic")
-            sync_api.expect(classic.get_by_text("connected", exact=True)).to_be_visible()
-            _set_window(classic, presses)
-            classic.wait_for_selector(".st-key-chart-timeline .js-plotly-plot")
-            classic.wait_for_timeout(10_000)  # steady state (a redraw can take seconds here)
-            # a classic redraw of this many steps takes seconds: measure whole cycles of it
-            result["classic_bytes_per_s"], result["classic_updates_per_s"] = meter.measure_updates(
-                2, timeout_s=max(420.0, STEPS / 5)
-            )
-    result["bytes_ratio"] = result["live_bytes_per_s"] / max(result["classic_bytes_per_s"], 1)
-    # per update as well: at thousands of steps the classic page redraws so rarely that its
-    # bytes a second fall with its update rate, while each of its updates re-sends everything
-    for name in ("live", "classic"):
-        rate = max(result[f"{name}_updates_per_s"], 1e-9)
-        result[f"{name}_bytes_per_update"] = result[f"{name}_bytes_per_s"] / rate
-    result["bytes_per_update_ratio"] = (
-        result["live_bytes_per_update"] / result["classic_bytes_per_update"]
-    )
+            _zoom_survives_live_updates(page)
     print(json.dumps(result, indent=1))
     if os.environ.get("STEPSCOPE_BENCH_OUT"):
         Path(os.environ["STEPSCOPE_BENCH_OUT"]).write_text(json.dumps(result, indent=1))
-    # Behaviour, with room for a loaded machine: each live update carries a fraction of a
-    # classic one's bytes, and the live page updates more often.
-    assert result["bytes_per_update_ratio"] < 0.5
-    assert result["live_updates_per_s"] > result["classic_updates_per_s"]
 
 
 # ---- the KV page map, abort, and the first minute ----------------------------------------------

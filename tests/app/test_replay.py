@@ -429,12 +429,47 @@ def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_pat
                 other.press("Enter")
 
             act_until(enter_b, heading, again=lambda: heading.count() == 0)
+            # the comparison: two charts drawn whole by the component, on one x range, and
+            # zooming one zooms the other
+            compared = (
+                "[...document.querySelectorAll('.stepscope-live')]"
+                ".filter(r => r.querySelector('.sl-title').textContent)"
+                ".map(r => r.querySelector('.sl-timeline'))"
+            )
+            page.wait_for_function(
+                f"() => {{ const p = {compared}; return p.length === 2 && p.every(g => g._fullLayout); }}"
+            )
+            ranges = page.evaluate(f"() => {compared}.map(g => g._fullLayout.xaxis.range)")
+            assert ranges[0] == ranges[1]
+            page.evaluate(f"() => Plotly.relayout({compared}[0], {{'xaxis.range': [0.1, 0.3]}})")
+            page.wait_for_function(
+                f"() => {{ const r = {compared}[1]._fullLayout.xaxis.range; "
+                "return Math.abs(r[0] - 0.1) < 1e-9 && Math.abs(r[1] - 0.3) < 1e-9; }"
+            )
             open_b = page.get_by_role("button", name="Open B (mixed-16.jsonl) in the page")
             # the page now replays B: the sidebar names it, and the scrubber is at its end
             replaying = page.locator("[data-testid='stSidebar'] code", has_text="mixed-16.jsonl")
             act_until(open_b.click, replaying, again=lambda: open_b.count() == 1)
             last_b = Recording.load(runs["b"]).last_step
             expect(page.get_by_text(f"step {last_b} of").first).to_be_visible()
+            # the sweep folder: its trade-off plot in the component, the y metric picked in the
+            # page, and a click on prefill-first's point opens that run
+            page.get_by_text("Open sweep folder").click()
+            folder = page.locator(".st-key-sweep_path input")
+            folder.fill(str(runs["dir"]))
+            folder.press("Enter")
+            sweep = page.locator(".stepscope-sweep")
+            expect(sweep).to_have_attribute("data-runs", "2")
+            expect(sweep).to_have_attribute("data-metric", "worst_stall_s")
+            sweep.get_by_role("button", name="ITL p99.9").click()
+            expect(sweep).to_have_attribute("data-metric", "itl_p999_s")
+            click = (
+                "() => { const gd = document.querySelector('.stepscope-sweep .sl-sweep');"
+                " const t = gd.data.find((d) => d.name === 'prefill_first');"
+                " gd.emit('plotly_click', {points: [{customdata: t.customdata[0]}]}); }"
+            )
+            back = page.locator("[data-testid='stSidebar'] code", has_text="prefill_first-16.jsonl")
+            act_until(lambda: page.evaluate(click), back)
             shot = tmp_path / "replay.png"
             page.screenshot(path=str(shot))
             assert shot.stat().st_size > 10_000

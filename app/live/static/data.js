@@ -3,6 +3,7 @@
 // (timeline.js, kv.js, progress.js) through `window.stepscope`.
 (function (S) {
   "use strict";
+  // encode.STEP_COLUMNS
   const STEP_COLS = ["step", "t0", "t1", "phase", "budget", "used", "cached", "free", "total",
     "reserved", "waiting", "running", "prompt", "decode", "wasted", "stalled", "sampled",
     "retracted", "reason"];
@@ -23,7 +24,7 @@
       for (const name of this.names) {
         const src = cols[name];
         const dst = this[name];
-        for (let i = 0; i < n; i++) dst.push(src ? src[i] : 0);
+        for (let i = 0; i < n; i++) dst.push(src ? src[i] : null);
       }
       this.length += n;
     }

@@ -97,12 +97,7 @@
       this.whole = root.querySelector(".sl-whole input");
       this.whole.onchange = () => this.draw();
       root.querySelectorAll("button[data-view]").forEach((b) => {
-        b.onclick = () => {
-          this.view = b.dataset.view;
-          root.querySelectorAll("button[data-view]").forEach((x) => x.classList.toggle("sl-on", x === b));
-          for (const [k, p] of Object.entries(this.plots)) p.style.display = k === this.view ? "" : "none";
-          this.draw();
-        };
+        b.onclick = () => { this.select(b.dataset.view); this.draw(); };
       });
       injectStyle();
     }
@@ -214,8 +209,11 @@
         const full = gd._fullLayout && gd._fullLayout.xaxis;
         const zoomed = full && gd._stepscopeX === this.xmode && full.autorange === false;
         const range = zoomed ? full.range.slice() : null;
-        fig = timelineFigure(this.rec, axis, this.style, range, gd.clientWidth || this.el.clientWidth || 1200,
-          this.axes && this.axes[this.xmode]);
+        // fixed axes (compare): the common range first, then wherever the user (or the
+        // linked view) zoomed: a react with the fixed range again would undo the zoom
+        let fixed = this.axes && this.axes[this.xmode];
+        if (fixed && range) fixed = Object.assign({}, fixed, { x: range });
+        fig = timelineFigure(this.rec, axis, this.style, range, gd.clientWidth || this.el.clientWidth || 1200, fixed);
         fig.layout.uirevision = "timeline-" + this.xmode;
         gd._stepscopeX = this.xmode;
         this.lod = fig.detail ? "segments" : "totals";
@@ -244,7 +242,7 @@
           this.zoomPartners(view, ev);
         });
       }
-      const legend = legendHtml(this.view, this.lod, this.style);
+      const legend = legendHtml(this.view, this.view === "timeline" ? this.lod : "", this.style);
       if (legend !== this.legendShown) { this.legend.innerHTML = legend; this.legendShown = legend; }
       const n = this.rec.steps.length;
       const last = n ? this.rec.steps.step[n - 1] : null;
@@ -252,6 +250,12 @@
         ? `${n} steps held (last #${last})` + (this.view === "timeline" ? ` · ${fig.nView} in view · ${this.lod === "segments" ? "per-request segments" : "per-step totals (zoom in for requests)"}` : "") + (this.static ? " · the whole recording" : this.paused ? " · paused" : "")
         : this.static ? "This recording has no steps." : "No engine steps recorded yet: submit a prompt.";
       Object.assign(this.root.dataset, { updates: this.updates, steps: n, lod: this.lod || "", last: last === null ? "" : last });
+    }
+
+    select(view) {
+      this.view = view;
+      this.root.querySelectorAll("button[data-view]").forEach((x) => x.classList.toggle("sl-on", x.dataset.view === view));
+      for (const [k, p] of Object.entries(this.plots)) p.style.display = k === view ? "" : "none";
     }
 
     // views of one link group (compare's A and B) zoom and pan together on the x axis
