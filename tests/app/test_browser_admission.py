@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.app import test_browser
 from tests.app.test_browser import act_until, running_app, running_engine, status_line
-from tests.app.test_browser_live import SHOTS, TIMELINE, _open_tab, browser_page, sync_api
+from tests.app.test_browser_live import SHOTS, TIMELINE, browser_page, sync_api
 
 N_PRESET = 16  # the preset's requests
 FLAGS = ("--num-pages", "640", "--max-extend-tokens", "64", "--policy", "mixed", "--threads", "1")
@@ -23,6 +23,12 @@ TRACE_POINTS_JS = """([sel, name]) => {
     return t && t.x ? t.x.length : 0;
 }"""
 KV = ".stepscope-live .sl-kv"
+# the hover texts of the waiting lanes: each says why the queue waited
+WAIT_HOVER_JS = f"""() => {{
+    const gd = document.querySelector('{TIMELINE}');
+    const t = gd && gd.data ? gd.data.find(t => t.name === 'waiting') : null;
+    return t && t.customdata ? t.customdata.map(String) : [];
+}}"""
 
 
 def _play(page: object, ws: object, until: object, while_running: object = None) -> list[dict]:
@@ -65,21 +71,17 @@ def test_kv_pressure_preset_under_both_admission_modes(tiny_llama_dir: Path) -> 
     ):
         ws.recv()  # hello
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
-        # reserve: a few run, the rest wait for promised pages, and the page says so; the pool
-        # never fills
-        _open_tab(page, "Requests")
 
-        def why() -> None:
-            sync_api.expect(page.get_by_text("Why requests wait").first).to_be_visible()
-            sync_api.expect(page.get_by_text("waiting (reserved)").first).to_be_visible()
-            if SHOTS:
-                page.screenshot(path=str(Path(SHOTS) / "kv-pressure-waiting.png"))
-
-        seen = _play(page, ws, _finished(N_PRESET // 2), why)  # half: waves through the pool
+        # reserve: a few run, the rest wait for promised pages, and their waiting lanes say so;
+        # the pool never fills
+        seen = _play(page, ws, _finished(N_PRESET // 2))  # half: waves through the pool
         steps = [m for m in seen if m.get("type") == "step"]
         assert not any(s.get("retracted") for s in steps)
         assert "reserved" in {s["queue"]["waiting_reason"] for s in steps}
         page.wait_for_function(f"() => ({TRACE_POINTS_JS})(['{TIMELINE}', 'retracted']) === 0")
+        page.wait_for_function(
+            f"() => ({WAIT_HOVER_JS})().some(h => h.includes('waits: reserved'))"
+        )
         _view(page, "kv")
         page.wait_for_function(f"() => ({TRACE_POINTS_JS})(['{KV}', 'pool full']) === 0")
         if SHOTS:
