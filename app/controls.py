@@ -119,6 +119,7 @@ def describe_reply(
         return True, (
             f"engine now runs max_extend_tokens={reply.get('max_extend_tokens')}, "
             f"policy={reply.get('policy')}"
+            + (f", admission={reply['admission']}" if reply.get("admission") else "")
         )
     if kind == "error":
         return False, f"the engine refused it ({reply.get('code')}): {reply.get('message')}"

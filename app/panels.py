@@ -53,9 +53,11 @@ POLICY_CAPTIONS = {
 KV_CAPTION = (
     "The paged KV pool, in pages: **used** by requests in flight, **cached** only by the prefix "
     "cache (evictable; a repeated prompt prefix is served from it), **free**. The dotted line is "
-    "what admitted requests are promised but have not allocated yet (remaining prompt plus "
-    "remaining max_tokens), converted from tokens to pages. Chunking bounds how much a single "
-    "step allocates, not how much a prompt needs."
+    "what admitted requests are promised but have not computed yet (remaining prompt plus "
+    "remaining max_tokens under **reserve** admission; under **optimistic**, their outputs times "
+    "new_token_ratio, an estimate that jumps up after a retraction), converted from tokens to "
+    "pages. **Red triangles**: the pool was full (a decode found no page left and requests were "
+    "retracted). Chunking bounds how much a single step allocates, not how much a prompt needs."
 )
 PROGRESS_CAPTION = (
     "Tokens generated so far, all requests (black) and each request (its colour). A **flat "

@@ -414,6 +414,7 @@ class Fold:
             output_tokens=self.output_tokens,
             span=span,
             steps=(self.num_steps, self._first_step, self._last_step),
+            pressure=(self.retractions, self.recomputed_tokens),
         )
 
 

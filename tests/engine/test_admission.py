@@ -219,3 +219,26 @@ def test_each_waiting_reason() -> None:
     assert _reason(sim, budget=64, admission="optimistic") == "kv"
     assert sim.scheduler.num_waiting == 1
     assert _reason(sim, admission="optimistic") == "kv"  # decoding, not enough pages yet
+
+
+def test_the_fold_counts_retractions_and_recomputed_tokens(runs) -> None:
+    """The shared fold's summary (the bench's table, the sweep, the page) over a run's messages
+    equals the engine's own counts; recomputed tokens are not prompt tokens."""
+    from instrumentation.fold import Fold, summarize_steps
+
+    ev = runs[7, "mixed"][1]
+    fold = Fold(max_steps=None)
+    for e in ev.all:
+        fold.apply(e.to_dict())
+    s = fold.summary()
+    steps = [e.to_dict() for e in ev.steps]
+    assert s.retractions == len(ev.requests("retracted")) >= 20
+    assert s.recomputed_tokens == sum(i.num_tokens for e in ev.steps for i in e.items
+                                      if i.kind == "recompute") > 0  # fmt: skip
+    computed = sum(i.num_tokens for e in ev.steps for i in e.items if i.kind != "decode")
+    assert s.prompt_tokens + s.recomputed_tokens == computed
+    assert s.output_tokens == sum(len(t) for t in runs[7, "mixed"][0])
+    window = summarize_steps(steps, [r.to_dict() for r in fold.requests()])
+    assert (window.retractions, window.recomputed_tokens) == (s.retractions, s.recomputed_tokens)
+    assert all(r.retractions >= 0 for r in fold.requests())
+    assert sum(r.retractions for r in fold.requests()) == s.retractions

@@ -18,11 +18,16 @@
       name: `reserved (tokens ÷ page size ${pageSize}, in pages)`,
       line: { color: "#222", dash: "dot", width: 2, shape: "hv" }, hovertemplate: "reserved %{y} pages<extra></extra>" });
     const total = Math.max(s.length ? s.total[s.length - 1] : 1, 1);
-    // pool-full moments: no page free and none evictable (a decode then needs a retraction)
+    // pool-full moments: a step whose decodes found no page left (it retracted requests), or
+    // one that left nothing free or evictable
     const fx = [], fy = [];
-    picks.forEach(([, b, i], k) => { if (s.free[i] === 0 && s.cached[i] === 0) { fx.push(x[k]); fy.push(total); } });
+    picks.forEach(([a, b], k) => {
+      for (let i = a; i <= b; i++) {
+        if (s.retracted[i] > 0 || (s.free[i] === 0 && s.cached[i] === 0)) { fx.push(x[k]); fy.push(total); break; }
+      }
+    });
     data.push({ type: "scatter", x: fx, y: fy, mode: "markers", name: "pool full",
-      marker: { color: style.stall, symbol: "triangle-down", size: 8 }, hovertemplate: "pool full: %{y} of %{y} pages used<extra></extra>" });
+      marker: { color: style.stall, symbol: "triangle-down", size: 8 }, hovertemplate: "pool full: no page left for the decodes (%{y} pages)<extra></extra>" });
     let top = Math.max(total, ...reserved.slice(-2000), 0);
     if (!wholePool) {
       let held = 0;

@@ -71,10 +71,10 @@
     // retractions (optimistic admission ran out of pages): a marker on top of the step
     const rx = [], ry = [], rc = [];
     for (const [a, b, peak] of groups(rec, k, (i) => s.retracted[i])) {
-      if (s.retracted[peak]) { rx.push((axis.lo(a) + axis.hi(b)) / 2); ry.push(1.03 * yTop); rc.push(s.retracted[peak]); }
+      if (s.retracted[peak]) { rx.push((axis.lo(a) + axis.hi(b)) / 2); ry.push(0.93 * yTop); rc.push(s.retracted[peak]); }
     }
     data.push({ type: "scatter", x: rx, y: ry, mode: "markers", name: "retracted",
-      marker: { color: style.stall, symbol: "x", size: 9, line: { width: 1 } }, customdata: rc,
+      marker: { color: style.stall, symbol: "x-thin", size: 12, line: { width: 3, color: style.stall } }, customdata: rc,
       hovertemplate: "%{customdata} request(s) retracted: the pool ran out of pages<extra></extra>" });
     const lanes = laneTraces(rec, axis, style, detail);
     data.push(...lanes.data);
@@ -210,7 +210,7 @@
       chunk: ["prompt chunk [start:end)", labels ? { pattern: { shape: "/", fillmode: "overlay", fgcolor: "white", fgopacity: 0.8 } } : { opacity: 0.6 }, 0.62],
       decode: ["decoding", {}, 0.62],
       stall: ["stall (no token this step)", {}, 0.62],
-      retracted: ["retracted (waiting to be recomputed)", { color: style.stall, opacity: 0.35, pattern: { shape: "x", fgcolor: style.stall, fgopacity: 0.9, size: 5 } }, 0.45],
+      retracted: ["retracted (waiting to be recomputed)", { color: "#444", opacity: 0.85, pattern: { shape: "x", fgcolor: "#fff", fgopacity: 0.9, size: 5 } }, 0.45],
     };
     const data = [];
     for (const kind of Object.keys(styles)) {

@@ -35,7 +35,8 @@
         swatch("decode stalled", `border:none;width:0;height:0;border-left:6px solid transparent;border-right:6px solid transparent;border-bottom:10px solid ${style.stall}`));
       for (const p of style.phases) items.push(swatch(`${p} step`, `background:${style.phase_colors[p]}`));
       items.push(swatch("waiting", `background:${style.wait}`), swatch("stall (no token)", `background:${style.stall}`),
-        swatch("retracted (✕ on top: pool out of pages; lane: waiting to be recomputed)", `background:${style.stall};opacity:0.45`));
+        `<span><b style="color:${style.stall};margin-right:5px">✕</b>retracted: the pool ran out of pages</span>`,
+        swatch("retracted, waiting to be recomputed", "background:repeating-linear-gradient(45deg, #444 0 3px, #fff 3px 4px)"));
     } else if (view === "kv") {
       for (const k of ["used", "cached", "free"]) items.push(swatch(`${k} pages`, `background:${style.kv[k]}`));
       items.push(swatch("reserved (promised or estimated, not yet computed)", "border:none;border-top:2px dotted #222;height:0;vertical-align:3px"),
