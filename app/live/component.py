@@ -124,9 +124,8 @@ def live_charts(
     last_n, sent = seen.get(key, (None, []))
     if pulled.get("n") != last_n:
         have = pulled.get("have")
-        quiet = _nothing_else_asked()
-        if not opts.paused and quiet is not None:
-            feed.hold(store, have, HOLD_S, quiet)  # until there is something new to answer with
+        if not opts.paused:
+            feed.hold(store, have, HOLD_S)  # until there is something new to answer with
     else:
         have = sent[-OVERLAP] if len(sent) >= OVERLAP else (sent[0] if sent else None)
     data = feed.payload(store, have, opts)
@@ -189,21 +188,6 @@ def kv_page_map(key: str, page_map: dict[str, Any] | None, message: str = "") ->
     data = {"mode": "kvmap", "map": page_map, "message": message, "assets": _assets_urls()}
     data["style"] = style()
     _component(key=key, data=data, height="content")
-
-
-def _nothing_else_asked() -> Callable[[], bool] | None:
-    """In a run of the charts' fragment alone (a pull), whether no other rerun is waiting (a
-    click, a form): the hold gives way to it at once. None in a full run, which never holds
-    (the script thread is the page's, not the charts')."""
-    from streamlit.runtime.scriptrunner_utils.script_requests import ScriptRequestType
-    from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
-
-    ctx = get_script_run_ctx()
-    if ctx is None or not ctx.fragment_ids_this_run:
-        return None
-    requests = ctx.script_requests
-    # ScriptRequests keeps its pending request in `_state` (no public reader in Streamlit 1.67)
-    return lambda: requests is None or requests._state == ScriptRequestType.CONTINUE
 
 
 def _pulled() -> None:

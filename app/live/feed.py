@@ -10,16 +10,13 @@ payload ask again from where it really is.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.live.encode import StepEncoder, compact_columns, ended_times
 
 RING = 32  # batches a browser may fall behind by and still get a delta, not a reset
-HOLD_SLICE_S = 0.02  # a held pull looks this often whether another rerun is waiting
 MAX_REQUESTS = 200  # request records a reset carries (the newest)
 
 
@@ -83,24 +80,13 @@ class LiveFeed:
         self._next_id = 1
         self.updates = 0  # payloads with new data (for the status line and tests)
 
-    def hold(
-        self,
-        store: DeltaSource,
-        have: int | None,
-        timeout: float,
-        keep_waiting: Callable[[], bool] = lambda: True,
-    ) -> None:
+    def hold(self, store: DeltaSource, have: int | None, timeout: float) -> None:
         """Wait (at most `timeout` s) until the store has a step the browser's batch `have`
         does not: a pull then answers as soon as the engine's next step lands. No wait when
-        `have` is unknown (the answer is a reset) or there is news already; the wait ends
-        within HOLD_SLICE_S once `keep_waiting()` says no (another rerun is waiting)."""
+        `have` is unknown (the answer is a reset) or there is news already."""
         entry = self._ring.get(have) if have is not None else None
-        if entry is None:
-            return
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0 and keep_waiting():
-            if store.wait_for_step(entry[0], min(left, HOLD_SLICE_S)):
-                return
+        if entry is not None:
+            store.wait_for_step(entry[0], timeout)
 
     def payload(self, store: DeltaSource, have: int | None, opts: ViewOptions) -> dict[str, Any]:
         """The data for the component: a batch after `have`, a reset, or nothing new."""
