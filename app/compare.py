@@ -117,9 +117,13 @@ def record(s: Side) -> Recorded:
 
 
 def _batch_peak(s: Side) -> float:
+    return batch_peak(s.steps)
+
+
+def batch_peak(steps: Sequence[Message]) -> float:
     """The tallest bar of the batch chart: a step's tokens, or its budget line."""
     peak = 0.0
-    for step in s.steps:
+    for step in steps:
         tokens = sum(int(i["end"]) - int(i["start"]) for i in step.get("items") or ())
         peak = max(peak, tokens, float(step.get("budget") or 0))
     return peak

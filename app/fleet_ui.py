@@ -7,7 +7,8 @@ gateway's). The page shows, per replica, its steps, chunk lanes, KV and waiting 
 the wall clock (`hello.engine.clock_epoch`), so what the router's policy did to each replica's
 batches lines up; a table sums the fleet up (requests, tokens/s, prefix-cache hit rate per
 replica, from `instrumentation.fold.Summary`); the controls apply to one replica or to all; and
-prompts go through the gateway when there is one, so it routes them.
+prompts go through the gateway when there is one, so it routes them. A fleet recording (one trace
+per replica) is replayed with these same views by app/fleet_replay_ui.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import streamlit as st
 
 from app import controls, external
 from app.client import EngineLink, NotConnected, valid_url
+from app.fleet_replay import clock_offsets
 from app.kvmap import PageMapStore
 from app.live.component import LIVE_EVERY_S
 from app.live.component import live_charts as _live_charts
@@ -132,14 +134,6 @@ def _shift_record(rec: Message, off: float) -> Message:
     return out
 
 
-def clock_offsets(engines: Sequence[Mapping[str, Any] | None]) -> list[float]:
-    """Each engine's shift onto the earliest engine's clock (0 where an engine has no epoch)."""
-    epochs = [(e or {}).get("clock_epoch") for e in engines]
-    known = [float(x) for x in epochs if x is not None]
-    base = min(known) if known else 0.0
-    return [0.0 if x is None else float(x) - base for x in epochs]
-
-
 # ---- connections ------------------------------------------------------------------------------
 
 
@@ -166,12 +160,26 @@ def replica_name(i: int) -> str:
     return f"replica {i}"
 
 
-def fleet_rows(links: Sequence[EngineLink]) -> list[Message]:
-    """The fleet summary: one row per replica, its figures from the one Summary."""
+def figures(s: Summary) -> Message:
+    """A Summary's figures as the fleet's tables show them."""
+    return {
+        "requests": s.requests,
+        "output tok/s": None if s.output_tok_s is None else round(s.output_tok_s, 1),
+        "prefix-cache hit rate": None if s.prefix_hit_rate is None
+        else f"{s.prefix_hit_rate:.0%}",
+        "TTFT p50 (s)": None if s.ttft_p50_s is None else round(s.ttft_p50_s, 3),
+        "ITL p99 (s)": None if s.itl_p99_s is None else round(s.itl_p99_s, 3),
+        "worst stall (s)": None if s.worst_stall_s is None else round(s.worst_stall_s, 3),
+    }  # fmt: skip
+
+
+def fleet_rows(links: Sequence[Any], summaries: Sequence[Summary] | None = None) -> list[Message]:
+    """The fleet summary: one row per replica, its figures from the one Summary (`summaries`,
+    else the window of steps the page holds for each)."""
     rows = []
     for i, link in enumerate(links):
         snap = link.store.snapshot(last_steps=WINDOW_STEPS)
-        s: Summary = summarize_steps(snap.steps, snap.requests)
+        s = summaries[i] if summaries is not None else summarize_steps(snap.steps, snap.requests)
         config = snap.config or {}
         last = snap.steps[-1] if snap.steps else {}
         kv = last.get("kv") or {}
@@ -186,26 +194,22 @@ def fleet_rows(links: Sequence[EngineLink]) -> list[Message]:
             "running": queue.get("running"),
             "waiting": queue.get("waiting"),
             "KV used": f"{kv['used'] / kv['total']:.0%}" if kv.get("total") else None,
-            "requests": s.requests,
-            "output tok/s": None if s.output_tok_s is None else round(s.output_tok_s, 1),
-            "prefix-cache hit rate": None if s.prefix_hit_rate is None
-            else f"{s.prefix_hit_rate:.0%}",
-            "TTFT p50 (s)": None if s.ttft_p50_s is None else round(s.ttft_p50_s, 3),
-            "ITL p99 (s)": None if s.itl_p99_s is None else round(s.itl_p99_s, 3),
-            "worst stall (s)": None if s.worst_stall_s is None else round(s.worst_stall_s, 3),
+            **figures(s),
         })  # fmt: skip
     return rows
 
 
-def summary_table(links: Sequence[EngineLink]) -> None:
-    rows = fleet_rows(links)
+def summary_table(links: Sequence[Any], rows: list[Message] | None = None,
+                  caption: str | None = None) -> None:  # fmt: skip
+    rows = fleet_rows(links) if rows is None else rows
     st.dataframe(
         [{k: v for k, v in r.items() if v is not None or k in ("requests",)} for r in rows],
         hide_index=True,
         width="stretch",
     )
     st.caption(
-        f"Each replica's figures cover the last {WINDOW_STEPS} steps the page holds for it "
+        caption
+        or f"Each replica's figures cover the last {WINDOW_STEPS} steps the page holds for it "
         "(instrumentation.fold.Summary over that window); the prefix-cache hit rate is the "
         "share of admitted prompt tokens its radix cache served."
     )
@@ -234,34 +238,48 @@ def apply_config(links: Sequence[EngineLink], choice: str, command: Message) -> 
     return out
 
 
-def controls_form(links: Sequence[EngineLink]) -> None:
-    """Budget, policy and (where the engines have it) admission, for one replica or all."""
+def live_summary(links: Sequence[Any], configs_known: bool) -> None:
+    """The summary, once a second; the first time every replica's config is in, the whole page
+    once more, so the controls show the engines' values without a click (the first minute)."""
+    if not configs_known and all(link.store.snapshot(last_steps=0).config for link in links):
+        st.rerun(scope="app")
+    summary_table(links)
+
+
+def controls_form(links: Sequence[Any], disabled: str | None = None) -> None:
+    """Budget, policy and (where the engines have it) admission, for one replica or all.
+    `disabled`: why they cannot act (a replay): shown at the engines' values, read-only."""
+    off = disabled is not None
     configs = [link.store.snapshot(last_steps=0).config or {} for link in links]
     names = ["all replicas"] + [replica_name(i) for i in range(len(links))]
     with st.form("fleet-config", border=True):
         c = st.columns([1.2, 2, 1.4, 1.2, 1])
-        choice = c[0].selectbox("Apply to", names, key="fleet_target")
+        choice = c[0].selectbox("Apply to", names, key="fleet_target", disabled=off)
         first = next((cfg for cfg in configs if cfg), {})
         budget = c[1].select_slider(
             "max_extend_tokens",
             options=controls.budget_options(first.get("max_extend_tokens")),
             value=first.get("max_extend_tokens") or 256,
             key="fleet_budget",
+            disabled=off,
         )
         policy = c[2].radio(
             "policy", list(controls.POLICIES), key="fleet_policy",
             index=list(controls.POLICIES).index(first.get("policy") or "prefill_first"),
             format_func=lambda p: controls.POLICY_LABELS.get(p, p), horizontal=False,
+            disabled=off,
         )  # fmt: skip
         admission = None
         if any("admission" in cfg for cfg in configs):
             options = ["reserve", "optimistic"]
             admission = c[3].radio(
                 "admission", options, key="fleet_admission",
-                index=options.index(first.get("admission") or "reserve"),
+                index=options.index(first.get("admission") or "reserve"), disabled=off,
             )  # fmt: skip
-        sent = c[4].form_submit_button("Apply", type="primary", width="stretch")
-    if sent:
+        sent = c[4].form_submit_button("Apply", type="primary", width="stretch", disabled=off)
+        if off:
+            st.caption(f"Budget, policy and admission: {disabled}")
+    if sent and not off:
         command = controls.set_config(max_extend_tokens=int(budget), policy=str(policy))
         if admission is not None:
             command["admission"] = admission
@@ -269,18 +287,23 @@ def controls_form(links: Sequence[EngineLink]) -> None:
             st.caption(line)
 
 
-def prompt_form(links: Sequence[EngineLink], spec: FleetSpec) -> None:
-    """Prompts go through the gateway when there is one (it routes them), else round-robin."""
+def prompt_form(links: Sequence[Any], spec: FleetSpec, disabled: str | None = None) -> None:
+    """Prompts go through the gateway when there is one (it routes them), else round-robin.
+    `disabled`: why no prompt can be sent (a replay)."""
+    off = disabled is not None
     with st.form("fleet-prompt", border=True):
-        text = st.text_area("Prompt", key="fleet_prompt", height=70)
+        text = st.text_area("Prompt", key="fleet_prompt", height=70, disabled=off)
         c = st.columns([1, 1, 2])
-        max_tokens = c[0].number_input("max_tokens", min_value=1, value=64, key="fleet_max")
-        copies = c[1].number_input(
-            "copies", min_value=1, max_value=controls.MAX_COPIES, value=1, key="fleet_copies"
+        max_tokens = c[0].number_input(
+            "max_tokens", min_value=1, value=64, key="fleet_max", disabled=off
         )
+        copies = c[1].number_input("copies", min_value=1, max_value=controls.MAX_COPIES,
+                                   value=1, key="fleet_copies", disabled=off)  # fmt: skip
         where = f"through the gateway {spec.gateway}" if spec.gateway else "round-robin"
-        sent = c[2].form_submit_button(f"Submit ({where})", type="primary")
-    if not sent:
+        sent = c[2].form_submit_button(f"Submit ({where})", type="primary", disabled=off)
+        if off:
+            st.caption(f"Prompts: {disabled}")
+    if not sent or off:
         return
     try:
         command = controls.submit(text or "", int(max_tokens), chat=True)
@@ -325,7 +348,8 @@ def render(spec: FleetSpec) -> None:
         f"Replicas from {spec.source}{gateway}. Each replica's batches, chunk lanes, KV and "
         "waiting queue below, on one clock (seconds since the first engine started)."
     )
-    st.fragment(summary_table, run_every=REFRESH_S)(links)
+    known = all(link.store.snapshot(last_steps=0).config for link in links)
+    st.fragment(live_summary, run_every=REFRESH_S)(links, known)
     controls_form(links)
     prompt_form(links, spec)
     for i, link in enumerate(links):

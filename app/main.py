@@ -32,6 +32,7 @@ import streamlit as st  # noqa: E402
 
 from app import controls, external, fleet_ui, panels, replay_ui, session, sidebar, workloads  # noqa: E402
 from app.client import EngineLink, valid_url  # noqa: E402
+from app.fleet_replay_ui import open_fleet_recording, render_fleet_recording  # noqa: E402
 from app.kvmap import PageMapStore  # noqa: E402
 from app.launcher import Launcher, engine_argv, local_port, should_autostart  # noqa: E402
 from app.live.component import LIVE_EVERY_S  # noqa: E402
@@ -336,6 +337,10 @@ def page() -> None:
     # Another tab may have changed the process's URL: show it here too.
     if session.URL.get() != target.url:
         session.URL.set(target.url)
+    fleet_trace = open_fleet_recording()  # a fleet recording stands in for the fleet
+    if fleet_trace.folder is not None:
+        render_fleet_recording(fleet_trace)
+        return
     fleet, fleet_problem = fleet_ui.spec_for(target.url, sys.argv[1:], os.environ)
     if fleet is not None or fleet_problem is not None:  # several engines: the fleet page
         sidebar.render(None, target)

@@ -1,7 +1,7 @@
 """stepscope's inference engine: paged KV cache, radix prefix cache, chunked prefill.
 
-`from engine import LLM, SamplingParams`. Both are imported lazily, so torch-free modules such as
-`instrumentation.records` can be used without loading torch.
+`from engine import LLM, EngineConfig, SamplingParams`. They are imported lazily, so torch-free
+modules such as `instrumentation.records` can be used without loading torch.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.llm import LLM
     from instrumentation.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from engine.llm import LLM
 
         return LLM
+    if name == "EngineConfig":
+        from engine.config import EngineConfig
+
+        return EngineConfig
     if name == "SamplingParams":
         from instrumentation.sampling import SamplingParams
 

@@ -10,9 +10,9 @@ engine runs (the budget and the policy); `EngineConfig` holds their starting val
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypeVar
 
@@ -34,14 +34,14 @@ def setting(
     choices: tuple[Any, ...] | None = None,
     noun: str | None = None,
     minimum: int = 1,
-    parse: typing.Callable[[str], Any] | None = None,
+    parse: Callable[[str], Any] | None = None,
     metavar: str | None = None,
 ) -> Any:
     """A dataclass field that is also a command-line option. `choices` are validated and
     offered by argparse; `noun` names the setting in the error for a value outside them;
     integer fields must be >= `minimum`; `parse` replaces argparse's type conversion."""
-    meta = {"help": help, "choices": choices, "noun": noun, "minimum": minimum, "parse": parse}
-    meta["metavar"] = metavar
+    meta = {"help": help, "choices": choices, "noun": noun, "minimum": minimum, "parse": parse,
+            "metavar": metavar}  # fmt: skip
     if isinstance(default, list | dict | set):
         raise TypeError("a setting's default must be immutable (use a tuple)")
     return field(default=default, metadata=meta)
@@ -297,11 +297,3 @@ def from_args(cls: type[C], args: argparse.Namespace) -> C:
             v = getattr(args, f.name)
             values[f.name] = tuple(v or ()) if isinstance(f.default, tuple) else v
     return cls(**values)
-
-
-def defaults(cls: type) -> dict[str, Any]:
-    return {
-        f.name: f.default
-        for f in fields(cls)
-        if f.default is not dataclasses.MISSING and "help" in f.metadata
-    }

@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer: the text each new token adds, without re-decoding the whole output.
+"""IncrementalDetokenizer: the text each new token adds, without re-decoding the whole output;
+StopMatcher: where the first stop string ends that text.
 
 A token can end inside a multi-byte character; its text is held back until the character is
 complete. Fast tokenizers use the Rust `DecodeStream` (one call a token); others decode a short
@@ -50,3 +51,46 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         ids = [i for i in self.ids if self.vocab is None or i < self.vocab]
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+
+class StopMatcher:
+    """Finds the first stop string in text that arrives in pieces.
+
+    `push` returns the text that is safe to show now: everything except a tail that could still
+    become the start of a stop string (held back, as vLLM does). `stopped` is set once a stop
+    string is complete; the text before it (with it, if `include_stop`) is then all that is ever
+    shown.
+    """
+
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False) -> None:
+        self.stops = stops
+        self.include_stop = include_stop
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""  # everything generated so far, stop string included
+        self.shown = 0  # characters of `text` returned so far
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        if not self.stops:
+            return piece  # nothing to hold back (and no text to keep)
+        if self.stopped:
+            return ""
+        start = max(0, len(self.text) - self.hold)  # a match may begin in the held tail
+        self.text += piece
+        if self.stops:
+            hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) != -1]
+            if hits:
+                at, stop = min(hits)
+                self.stopped = True
+                self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
+                return self._show(len(self.text))
+        return self._show(max(self.shown, len(self.text) - self.hold))
+
+    def flush(self) -> str:
+        """At the end of generation: the held-back tail (nothing after a stop)."""
+        return self._show(len(self.text))
+
+    def _show(self, upto: int) -> str:
+        out = self.text[self.shown : upto]
+        self.shown = max(self.shown, upto)
+        return out

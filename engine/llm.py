@@ -25,7 +25,7 @@ from engine.build import EngineInfo, build_engine
 from engine.config import EngineConfig, LiveConfig, check_admission, check_budget, check_policy
 from engine.kvcache.manager import KVSnapshot, pages_for
 from engine.request import RequestState
-from engine.step import Command, Hooks, StepPipeline
+from engine.step import Command, Hooks, StepPipeline, prompt_logprobs
 from instrumentation.errors import InvalidRequest, NotFound, TooLarge
 from instrumentation.records import EngineEvent, KVStats, QueueStats, StepRecord
 from instrumentation.sampling import SamplingParams
@@ -41,7 +41,11 @@ class LLM:
     model download and load. `LLM.from_config(config)` takes a whole `EngineConfig`."""
 
     def __init__(
-        self, model: str | os.PathLike[str] = "smollm2", *, progress: bool = True, **settings: Any
+        self,
+        model: str | os.PathLike[str] = EngineConfig.model,
+        *,
+        progress: bool = True,
+        **settings: Any,
     ) -> None:
         # validate everything cheap before the slow model load
         self._start(EngineConfig.of("LLM()", model=str(model), **settings), progress)
@@ -320,6 +324,8 @@ class LLM:
             "finish_reason": st.finish_reason,
             "prompt_len": st.prompt_len,
             "cached_len": st.cached_len,
+            **({} if st.params.logprobs is None else {"logprobs": st.output_logprobs}),
+            **({} if st.params.prompt_logprobs is None else prompt_logprobs(st)),
             "metrics": st.metrics(),
         }
 

@@ -48,6 +48,12 @@ class StepPlan:
     patch_src: list[int]  # ... and that token's row in the previous step's sampled tokens
     sample: list[int]  # indices of the requests that sample (all but prompt chunks)
     decode: bool  # a pure decode step: a CUDA graph may run it
+    # requests that want prompt logprobs: their logits at positions [prompt_from[j],
+    # prompt_upto[j]) are kept (every prompt position not scored yet but the last, whose
+    # logits sample)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_from: list[int] = field(default_factory=list)
+    prompt_upto: list[int] = field(default_factory=list)
     # page-table entries the other ranks have not seen (engine.kvcache.table_sync)
     spans: list[Span] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)

@@ -36,6 +36,16 @@ class RequestState:
     finish_reason: FinishReason | None = None
     t_finished: float | None = None
     launched_tokens: int = 0  # tokens whose sampling was launched (some may be in flight)
+    # with params.prompt_logprobs: [logprob, top [id, logprob] pairs] of prompt tokens 1..
+    prompt_logprobs: list[list] = field(default_factory=list)
+    # with params.logprobs: the same for each output token
+    output_logprobs: list[list] = field(default_factory=list)
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Every prompt token after the first is scored (a readmission scores none again)."""
+        return len(self.prompt_logprobs) >= self.prompt_len - 1
+
     aborted: bool = False
     # admission facts, renewed when a retracted request is admitted again
     admit_seq: int = -1  # order of the latest admission (retraction takes the latest first)

@@ -30,7 +30,7 @@ from engine.kvcache.table_sync import TableSync, apply_updates
 from engine.models.llama import CausalLM
 from engine.plan import RankClock, Ranks, StepPlan, StepTiming
 from engine.request import Req, RequestState
-from engine.sampling import sample_tokens
+from engine.sampling import sample_tokens, token_logprobs
 from engine.scheduler.batch import Batch
 from instrumentation.records import RankTiming
 
@@ -48,6 +48,14 @@ def token_ids(state: RequestState, start: int, end: int) -> list[int]:
     return prompt[start:] + out[: end - n]
 
 
+TokenLogprobs = tuple[float, list[tuple[int, float]]]  # the token's, and the top (id, logprob)
+
+
+def _host_rows(lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[TokenLogprobs]:
+    chosen, values, ids = (t.tolist() for t in lp)
+    return [(c, list(zip(i, v, strict=True))) for c, v, i in zip(chosen, values, ids, strict=True)]
+
+
 @dataclass(eq=False)
 class Launched:
     """A launched step's sampled tokens: one per request that samples (`reqs`, in row order),
@@ -59,6 +67,11 @@ class Launched:
     host: torch.Tensor | None = None  # pinned copy of `tokens`, valid once `ready` fires
     ready: torch.cuda.Event | None = None
     timing: StepTiming | None = None
+    # for requests with `logprobs`: every sampling row's (chosen, top values, top ids)
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # for requests with `prompt_logprobs`: (request, first position, count) and the rows
+    prompt: list[tuple[Req, int, int]] = field(default_factory=list)
+    prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _rows: dict[int, int] = field(default_factory=dict)
 
     def row_of(self, uid: int) -> int:
@@ -79,6 +92,20 @@ class Launched:
         self.ready.synchronize()  # releases the GIL while it waits
         assert self.host is not None
         return self.host.tolist()
+
+    def logprob_rows(self) -> list[TokenLogprobs] | None:
+        """Each sampling row's logprobs on the host (call after `result`)."""
+        return None if self.logprobs is None else _host_rows(self.logprobs)
+
+    def prompt_rows(self) -> list[tuple[Req, list[TokenLogprobs]]]:
+        """Each prompt-logprobs request's rows of this step, in position order."""
+        if self.prompt_logprobs is None:
+            return []
+        rows, at, out = _host_rows(self.prompt_logprobs), 0, []
+        for req, _start, count in self.prompt:
+            out.append((req, rows[at : at + count]))
+            at += count
+        return out
 
     def rank_times(self) -> tuple[RankTiming, ...] | None:
         """Each rank's time for this step (tensor parallelism only; call after `result`)."""
@@ -162,6 +189,15 @@ class ModelRunner:
         reqs = batch.reqs
         ids, dst, src = self.input_ids(reqs, prev)
         spans, slots = ([], []) if self.sync is None else self.sync.updates(reqs, self.table)
+        prompt_rows, prompt_from, prompt_upto = [], [], []
+        for i, r in enumerate(reqs):
+            # position p scores prompt token p + 1; those scored already are not again
+            first = max(r.cached_len, len(r.state.prompt_logprobs))
+            upto = min(r.device_len, r.state.prompt_len - 1)
+            if r.state.params.prompt_logprobs is not None and first < upto:
+                prompt_rows.append(i)
+                prompt_from.append(first)
+                prompt_upto.append(upto)
         self._seq += 1
         return StepPlan(
             seq=self._seq,
@@ -173,6 +209,9 @@ class ModelRunner:
             patch_src=src,
             sample=[i for i, r in enumerate(reqs) if batch.samples(r)],
             decode=batch.phase == "decode",
+            prompt_rows=prompt_rows,
+            prompt_from=prompt_from,
+            prompt_upto=prompt_upto,
             spans=spans,
             slots=slots,
         )
@@ -199,17 +238,40 @@ class ModelRunner:
     def _sample(self, batch: Batch, plan: StepPlan, logits: torch.Tensor | None) -> Launched:
         if logits is None:
             return Launched([])
+        n = len(plan.sample)
         sampling = [batch.reqs[i] for i in plan.sample]
-        tokens = sample_tokens(
-            logits, [r.state.params for r in sampling], [r.state.generator for r in sampling]
-        )
-        if self.device.type != "cuda":
-            return Launched(sampling, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return Launched(sampling, tokens, host, ready)
+        out = Launched(sampling)
+        if n:
+            params = [r.state.params for r in sampling]
+            out.tokens = sample_tokens(logits[:n], params, [r.state.generator for r in sampling])
+            ks = [p.logprobs for p in params if p.logprobs is not None]
+            if ks:
+                out.logprobs = token_logprobs(logits[:n], out.tokens, max(ks))
+        if plan.prompt_rows:
+            self._prompt_logprobs(batch, plan, logits[n:], out)
+        if self.device.type != "cuda" or out.tokens is None:
+            return out
+        out.host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
+        out.host.copy_(out.tokens, non_blocking=True)
+        out.ready = torch.cuda.Event()
+        out.ready.record()
+        return out
+
+    def _prompt_logprobs(
+        self, batch: Batch, plan: StepPlan, logits: torch.Tensor, out: Launched
+    ) -> None:
+        """The logprobs of the prompt tokens that the plan's kept positions predict."""
+        targets: list[int] = []
+        k = 0
+        for i, start, upto in zip(
+            plan.prompt_rows, plan.prompt_from, plan.prompt_upto, strict=True
+        ):
+            req = batch.reqs[i]
+            out.prompt.append((req, start, upto - start))
+            targets += req.state.prompt_ids[start + 1 : upto + 1]
+            k = max(k, req.state.params.prompt_logprobs or 0)
+        ids = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        out.prompt_logprobs = token_logprobs(logits, ids, k)
 
     # -- every rank: run a plan ------------------------------------------------------------
     def apply_table(self, plan: StepPlan) -> None:
@@ -246,8 +308,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, prev: torch.Tensor | None) -> torch.Tensor | None:
-        """Run the plan's forward: float32 logits of its sampling rows on rank 0, None on other
-        ranks and when nothing samples. `prev`: the sampled tokens of the step launched before,
+        """Run the plan's forward: float32 logits of its sampling rows, then of its kept prompt
+        positions, on rank 0; None on other ranks and when no logits are wanted. `prev`: the sampled tokens of the step launched before,
         if the plan patches some input ids from them."""
         if self.graphs is not None and plan.decode and self.graphs.fits(len(plan.rows)):
             return self._replay_decode(plan, prev)
@@ -290,13 +352,19 @@ class ModelRunner:
         return self._logits(plan, hidden)
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits of the plan's sampling rows (each one's last token) of `hidden`."""
-        if not plan.sample:
+        """float32 logits of the plan's sampling rows (each one's last token) of `hidden`, then
+        of its kept prompt positions (prompt logprobs)."""
+        if not plan.sample and not plan.prompt_rows:
             return None
         ends = [0]
         for s, e in zip(plan.starts, plan.ends, strict=True):
             ends.append(ends[-1] + e - s)
         last = [ends[i + 1] - 1 for i in plan.sample]
+        for i, first, upto in zip(
+            plan.prompt_rows, plan.prompt_from, plan.prompt_upto, strict=True
+        ):
+            at = ends[i] + first - plan.starts[i]  # the row of position `first` in `hidden`
+            last += range(at, at + upto - first)  # after the sampling rows
         rows = torch.tensor(last).to(self.device, non_blocking=True)  # no wait for the device
         logits = self.model.logits(hidden[rows])
         return None if logits is None else logits.float()

@@ -163,9 +163,9 @@ class StepPipeline:
                 state = req.state  # its pages are back already; its last token is dropped
             if state is not None:
                 state.aborted = True  # a step in flight must not give it a token
-                events.append(
-                    RequestEvent(uid, "aborted", t, {"output_len": len(state.output_ids)})
-                )
+                # its figures as far as it got: an API ending it on a stop string counts it
+                fields = {"output_len": len(state.output_ids), **self._metrics(state)}
+                events.append(RequestEvent(uid, "aborted", t, fields))
                 self._on_end(uid, state)
         return events
 
@@ -175,9 +175,8 @@ class StepPipeline:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        state = RequestState(
-            uid, ids, params, t, IncrementalDetokenizer(self.tokenizer), generator=gen
-        )
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        state = RequestState(uid, ids, params, t, detok, generator=gen)
         self.scheduler.add(state)
         fields: dict[str, Any] = {"prompt_len": len(ids), "max_tokens": params.max_tokens}
         if source is not None:
@@ -242,6 +241,9 @@ class StepPipeline:
         if self.hooks.wait and not step.out.done():
             self.hooks.waiting()
         tokens = step.out.result()
+        logprobs = step.out.logprob_rows()
+        for req, rows in step.out.prompt_rows():
+            req.state.prompt_logprobs += [[lp, top] for lp, top in rows]
         t1 = self.now()
         post: list[EngineEvent] = []
         # retracted when this step was scheduled: back in the queue, outputs kept, to be
@@ -250,7 +252,7 @@ class StepPipeline:
         req_events += [_admitted_event(r.state, step.t0) for r in step.admitted]
         finished = []
         gone: set[int] = set()
-        for req, tok in zip(step.out.reqs, tokens, strict=True):
+        for i, (req, tok) in enumerate(zip(step.out.reqs, tokens, strict=True)):
             st = req.state
             if st.aborted or st.finish_reason is not None:
                 # it ended while this step ran (aborted, or an EOS read one step late): the
@@ -258,9 +260,15 @@ class StepPipeline:
                 gone.add(req.uid)
                 continue
             req.append_token(tok, t1, self.step_no)  # the number its record will carry
-            post.append(TokenEvent(req.uid, t1, tok, st.detok.push(tok)))
+            token = TokenEvent(req.uid, t1, tok, st.detok.push(tok))
+            if logprobs is not None and st.params.logprobs is not None:
+                lp, top = logprobs[i]
+                token = replace(token, logprob=lp, top_logprobs=top[: st.params.logprobs])
+                st.output_logprobs.append([lp, token.top_logprobs])
+            post.append(token)
             if len(st.output_ids) == 1:
-                req_events.append(RequestEvent(req.uid, "first_token", t1))
+                first = {} if st.params.prompt_logprobs is None else prompt_logprobs(st)
+                req_events.append(RequestEvent(req.uid, "first_token", t1, first))
             if tok in self.eos_token_ids and not st.params.ignore_eos:
                 st.finish_reason = "eos"
             elif len(st.output_ids) >= st.params.max_tokens:
@@ -314,3 +322,9 @@ class StepPipeline:
         m = st.metrics()
         m.pop("inter_token_latency_seconds")  # the token events carry those
         return m
+
+
+def prompt_logprobs(st: RequestState) -> dict[str, Any]:
+    """A request's prompt logprobs, each token's top cut to the number it asked for."""
+    k = st.params.prompt_logprobs
+    return {"prompt_logprobs": [[lp, top[:k]] for lp, top in st.prompt_logprobs]}

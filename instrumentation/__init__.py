@@ -5,6 +5,9 @@ engine's model code, so a dashboard or notebook can reuse it. Import the submodu
 """
 
 PROTOCOL_VERSION = 1
-PROTOCOL_MINOR = 3  # v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged;
+# v1.1: `seq`, `hello.seq`, `hello.engine.instance`, abort acknowledged;
 # v1.2: `max_stall_seconds` is the protocol's stall everywhere, `max_itl_seconds` the longest gap;
-# v1.3: admission modes and retraction (`retracted` events, `recompute` items, waiting reasons)
+# v1.3: admission modes and retraction (`retracted` events, `recompute` items, waiting reasons);
+# v1.4: logprobs on `token` and `first_token`, the figures of an `aborted` request, and
+# `prefill_time_seconds`, `decode_time_seconds`, `inference_time_seconds`
+PROTOCOL_MINOR = 4

@@ -8,6 +8,10 @@ Named as vLLM and SGLang name them:
 - inter_token_latency_seconds (ITL): the gaps between consecutive output tokens.
 - time_per_output_token_seconds (TPOT): (last token - first token) / (output tokens - 1).
 - e2e_request_latency_seconds: queued until the last output token.
+- prefill_time_seconds: admitted until the first output token (vLLM's request_prefill_time).
+- decode_time_seconds: the first output token until the last (vLLM's request_decode_time).
+- inference_time_seconds: admitted until the last output token (vLLM's
+  request_inference_time).
 - max_itl_seconds: the longest inter-token gap, whatever caused it.
 - max_stall_seconds: the longest *stall*: a gap between two of the request's tokens during which
   at least one engine step ran without it (`stalled_between`). A slow step that included the
@@ -84,6 +88,11 @@ def request_metrics(
         "inter_token_latency_seconds": itl,
         "time_per_output_token_seconds": (last - first) / len(itl) if itl else None,  # type: ignore[operator]
         "e2e_request_latency_seconds": None if last is None else last - t_queued,
+        "prefill_time_seconds": None if first is None or t_admitted is None else first - t_admitted,
+        "decode_time_seconds": None if first is None else last - first,  # type: ignore[operator]
+        "inference_time_seconds": (
+            None if last is None or t_admitted is None else last - t_admitted
+        ),
         "max_itl_seconds": max(itl) if itl else None,
     }
     if token_steps is not None:

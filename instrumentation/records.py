@@ -161,15 +161,22 @@ class TokenEvent:
     t: float
     token_id: int
     text: str
+    # only for a request that asked for logprobs: the token's, and the top [id, logprob] pairs
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "type": "token",
             "uid": self.uid,
             "t": self.t,
             "token_id": self.token_id,
             "text": self.text,
         }
+        if self.logprob is not None:
+            out["logprob"] = self.logprob
+            out["top_logprobs"] = [list(p) for p in self.top_logprobs or ()]
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,15 @@ def stream_one(gateway: str, model: str, prompt: str, max_tokens: int) -> tuple[
     return t0, times
 
 
+def warm_up(fleet: Fleet, prompt: str) -> None:
+    """One short request straight to each replica before any policy is timed: a fresh engine's
+    first steps compile kernels (FlashInfer's JIT on CUDA), which the first policy would pay."""
+    for p in fleet.procs:
+        with urllib.request.urlopen(p.http + "/v1/models") as resp:
+            model = json.loads(resp.read())["data"][0]["id"]
+        stream_one(p.http or "", model, prompt, 4)
+
+
 def run_policy(
     fleet: Fleet, policy: str, prompts: list[str], inflight: int, max_tokens: int
 ) -> PolicyRow:
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                   gpus=args.gpus.split(",") if args.gpus else None)  # fmt: skip
     rows: list[PolicyRow] = []
     with fleet:
+        warm_up(fleet, prompts[0])
         for policy in policies:
             rows.append(run_policy(fleet, policy, prompts, args.inflight, args.max_tokens))
     print(f"\n{args.requests} requests on {args.systems} shared system prompts, "

@@ -326,7 +326,7 @@ def chunked(model: str, out: dict[str, Any], variant: str, md: list[str]) -> Non
     the GPU tests judge them (a near-tie within 4 RMS of the two runs' logit difference)."""
     import random
 
-    from tests.gpu.test_gpu import compare_greedy, trace_run
+    from engine.checks.greedy import compare_greedy, trace_run
 
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(200, 1200))] for _ in range(32)]

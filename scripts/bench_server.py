@@ -1,11 +1,16 @@
 """Benchmarks of the engine server: instrumentation overhead, and a soak over the socket.
 
     python scripts/bench_server.py overhead [--model smollm2] [--pairs 3]
+    # issue 27 on the H200: 64 requests of 512 + 256 tokens, 1 client, then 8 and /metrics
+    python scripts/bench_server.py overhead --model assets/qwen3-0.6b --load-format dummy \
+        --device cuda --policy mixed --budget 8192 --max-running 64 --lengths 512x64 \
+        --max-tokens 256 --clients 8 --metrics-every 1
     python scripts/bench_server.py soak [--model tiny] [--requests 2000] [--overlap]
 
 `overhead` runs the same workload on one engine, alternating rounds without and with the whole
 server stack (event hook, history fold, publisher thread, one connected client in another process
-that reads and parses every message), and prints the step-time ratio. `soak` starts
+that reads and parses every message; `--clients N` connects N of them, and `--metrics-every S`
+scrapes the HTTP API's /metrics every S seconds throughout), and prints the step-time ratio. `soak` starts
 `python -m engine.server` and drives it over the WebSocket with random requests, budget and
 policy changes and aborts, then asks the server to check its page accounting.
 """
@@ -34,8 +39,8 @@ from instrumentation.protocol import ENDED_STATES, POLICY_NAMES  # noqa: E402  (
 
 def tiny_model(dst: Path) -> Path:
     """A tiny random-weight Llama with the SmolLM2 tokenizer (what the tests use)."""
+    from engine.checks.models import make_tiny
     from engine.models.loader import resolve
-    from tests.models import make_tiny
 
     return make_tiny("llama", dst, resolve("smollm2", progress=False).path)
 
@@ -73,6 +78,39 @@ def reader(url: str) -> None:
     print(count, flush=True)
 
 
+def parse_lengths(text: str) -> list[int]:
+    """'256,64,16' or '512x64' (64 prompts of 512 tokens), or both mixed: '512x8,16'."""
+    out: list[int] = []
+    for part in text.split(","):
+        n, _, times = part.partition("x")
+        out += [int(n)] * int(times or 1)
+    return out
+
+
+class Scraper:
+    """GET a /metrics URL every `every` seconds on a thread, as Prometheus would."""
+
+    def __init__(self, url: str, every: float) -> None:
+        import threading
+
+        self.url, self.every, self.count = url, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(self.every):
+            with urllib.request.urlopen(self.url, timeout=10) as resp:
+                resp.read()
+            self.count += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
 def overhead(args: argparse.Namespace) -> None:
     import torch
 
@@ -82,8 +120,15 @@ def overhead(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(model_path(args.model, Path(tmp)), max_running_req=8, progress=False)
-    server = build(llm, build_parser().parse_args(["--port", "0"]))
+        llm = LLM(model_path(args.model, Path(tmp)), max_running_req=args.max_running,
+                  device=args.device, load_format=args.load_format, policy=args.policy,
+                  max_extend_tokens=args.budget, progress=False)  # fmt: skip
+    server = build(llm, build_parser().parse_args(["--port", "0", "--http-port", "0"]))
+    scraper = None
+    if args.metrics_every > 0:
+        assert server.http is not None
+        server.http.start()
+        scraper = Scraper(server.http.url + "/metrics", args.metrics_every)
     instrumented = False
 
     def hook(ev: Any) -> None:  # off during bare rounds: one call and a test per event
@@ -92,14 +137,15 @@ def overhead(args: argparse.Namespace) -> None:
 
     llm.add_event_hook(hook)
     server.publisher.start()
-    client = None
-    if not args.no_client:
+    clients = []
+    for _ in range(0 if args.no_client else args.clients):
         client = subprocess.Popen(
             [sys.executable, __file__, "read", server.publisher.url],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert client.stdout is not None and client.stdout.readline().strip() == "connected"
-    lengths = [int(n) for n in args.lengths.split(",")]
+        clients.append(client)
+    lengths = parse_lengths(args.lengths)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
     def run(mode: str, seed: int) -> Round:
@@ -125,11 +171,15 @@ def overhead(args: argparse.Namespace) -> None:
     for k in range(args.pairs):
         order = ("bare", "server") if k % 2 == 0 else ("server", "bare")
         rounds += [run(mode, 1000 + 2 * k + j) for j, mode in enumerate(order)]
+    if scraper is not None:
+        scraper.stop()
     server.close()
-    delivered = int(client.communicate(timeout=60)[0].strip() or 0) if client else 0
+    delivered = sum(int(c.communicate(timeout=60)[0].strip() or 0) for c in clients)
 
     print(f"\nmodel {llm.info.model} on {llm.info.device}, torch threads {torch.get_num_threads()}")
-    print(f"workload per round: prompts of {lengths} tokens, {args.max_tokens} output tokens each")
+    print(
+        f"workload per round: prompts of {args.lengths} tokens, {args.max_tokens} output tokens each"
+    )
     print(f"{'mode':8} {'rounds':>6} {'steps':>6} {'median step ms':>15} {'median round s':>15}")
     for mode in ("bare", "server"):
         mine = [r for r in rounds if r.mode == mode]
@@ -145,7 +195,9 @@ def overhead(args: argparse.Namespace) -> None:
     ]
     print("step-time ratio server/bare per pair: " + " ".join(f"{r:.3f}" for r in ratios))
     print(f"median ratio: {statistics.median(ratios):.4f}")
-    print(f"messages delivered to the connected client: {delivered}")
+    print(f"messages delivered to {len(clients)} connected client(s): {delivered}")
+    if scraper is not None:
+        print(f"/metrics scrapes during the rounds: {scraper.count}")
 
 
 # -- soak -------------------------------------------------------------------------------------
@@ -316,6 +368,18 @@ def main() -> int:
     o.add_argument("--lengths", default="256,64,16,8,4", help="prompt lengths of one round")
     o.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     o.add_argument("--no-client", action="store_true", help="serve, but connect no client")
+    o.add_argument("--clients", type=int, default=1, help="WebSocket clients that read it all")
+    o.add_argument(
+        "--metrics-every",
+        type=float,
+        default=0.0,
+        help="scrape /metrics every this many seconds (0: never)",
+    )
+    o.add_argument("--device", default="cpu")
+    o.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    o.add_argument("--policy", default="prefill_first")
+    o.add_argument("--budget", type=int, default=256, help="max_extend_tokens")
+    o.add_argument("--max-running", type=int, default=8)
     k = sub.add_parser("soak", help="random traffic over the socket, then an integrity check")
     k.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or a model directory")
     k.add_argument("--requests", type=int, default=2000)

@@ -5,7 +5,7 @@
 # Here, once (needs internet), add guidellm's wheels and the HTTP API's to the engine's .whl/:
 #     .venv/bin/python scripts/bench_serving.py --download-wheels .whl
 # On the device (carry .whl and the SmolLM2 tokenizer stub under $STEPSCOPE_CACHE, as for
-# scripts/gpu_check.py):
+# scripts/gpu_check/):
 #     OUT=$OUT bash scripts/bench_serving_h200.sh
 # Writes $OUT/serving-h200-<policy>/{table.md,guidellm.json,trace.jsonl,server.log} and prints
 # the tables. About 4 minutes: FlashInfer's JIT build on a fresh machine, then two short runs.

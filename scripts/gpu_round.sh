@@ -46,7 +46,7 @@ for part in .dev/gguf.part*; do [ -f "$part" ] && cp "$part" /tmp/persist/; done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case $CALL in
   kernels)
-    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 --bench-quick \
+    python3 -m scripts.gpu_check --out "$OUT" --deadline-s 555 --bench-quick \
       --sections warmup,bandwidth,pytest,gemv,kernels,bench,hf_static --hf-static-batches 1,64 \
       --pytest-files tests/gpu/test_gpu.py,tests/engine/test_fused_kernels.py 2>&1 | tee "$OUT/log.txt"
     ;;
@@ -58,42 +58,42 @@ case $CALL in
     else
       echo "the first half of the GGUF is not here (a fresh machine): random weights only"
     fi
-    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 555 --bench-quick \
+    python3 -m scripts.gpu_check --out "$OUT" --deadline-s 555 --bench-quick \
       --sections warmup,smollm2 2>&1 | tee "$OUT/log.txt"
     ;;
   stash) ls -la /tmp/persist ;;
   greedy)
     cat /tmp/persist/gguf.partaa /tmp/persist/gguf.partab > /tmp/smollm2.gguf || exit 3
     export SMOLLM2_GGUF=/tmp/smollm2.gguf
-    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 --smollm2-greedy-only \
+    python3 -m scripts.gpu_check --out "$OUT" --deadline-s 560 --smollm2-greedy-only \
       --sections warmup,smollm2 2>&1 | tee "$OUT/log.txt"
     ;;
   tests)
-    PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 \
+    PYTEST_ADDOPTS="-n 6" python3 -m scripts.gpu_check --out "$OUT" --deadline-s 560 \
       --sections warmup,pytest --pytest-files tests/gpu/test_gpu.py,tests/engine/test_fused_kernels.py \
       2>&1 | tee "$OUT/log.txt"
     ;;
   tune)
-    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 300 \
+    python3 -m scripts.gpu_check --out "$OUT" --deadline-s 300 \
       --sections warmup,bandwidth,gemv 2>&1 | tee "$OUT/log.txt"
     cp "$OUT/gemv_tuned.json" engine/kernels/gemv_tuned.json  # what the tests' engines load
-    PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT/tests" --deadline-s 300 \
+    PYTEST_ADDOPTS="-n 6" python3 -m scripts.gpu_check --out "$OUT/tests" --deadline-s 300 \
       --sections pytest --pytest-files tests/gpu/test_gpu.py,tests/engine/test_fused_kernels.py \
       2>&1 | tail -40
     ;;
   final)
     timeout 120 python3 -m pytest -q -x -n 0 -p no:cacheprovider tests/gpu/test_gpu.py \
       -k skinny 2>&1 | grep -v Warning | tail -30 > "$OUT/skinny_test.txt"
-    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 540 --bench-quick \
+    python3 -m scripts.gpu_check --out "$OUT" --deadline-s 540 --bench-quick \
       --sections warmup,bandwidth,kernels,bench,hf_static --hf-static-batches 1,64 \
       2>&1 | tee "$OUT/log.txt"
     ;;
   decode)
-    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 520 --bench-quick \
+    python3 -m scripts.gpu_check --out "$OUT" --deadline-s 520 --bench-quick \
       --sections warmup,bandwidth,decode,kernels,bench 2>&1 | tee "$OUT/log.txt"
     ;;
   measure)
-    python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 --bench-quick \
+    python3 -m scripts.gpu_check --out "$OUT" --deadline-s 560 --bench-quick \
       --sections warmup,bandwidth,decode,kernels,bench,hf_static --hf-static-batches 1,64 \
       2>&1 | tee "$OUT/log.txt"
     cp "$OUT/decode_tuned.json" /tmp/persist/
@@ -108,7 +108,7 @@ case $CALL in
       cat /tmp/persist/gguf.partaa /tmp/persist/gguf.partab > /tmp/smollm2.gguf
       export SMOLLM2_GGUF=/tmp/smollm2.gguf
     fi
-    PYTEST_ADDOPTS="-n 6" python3 scripts/gpu_check.py --out "$OUT" --deadline-s 560 \
+    PYTEST_ADDOPTS="-n 6" python3 -m scripts.gpu_check --out "$OUT" --deadline-s 560 \
       --bench-quick --sections warmup,pytest,smollm2 \
       --pytest-files tests/gpu/test_gpu.py,tests/engine/test_fused_kernels.py 2>&1 | tee "$OUT/log.txt"
     ;;

@@ -31,7 +31,7 @@ fi
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 echo "== admission ($(date +%T))"
-if [ -f scripts/bench_admission.py ]; then
+if [ -f scripts/bench_admission.py ] && [ -z "${SKIP_ADMISSION:-}" ]; then
   if [ "$SCALE" = 1 ]; then ADM="--requests 128 --max-output 512 --num-pages 1200 --max-running-req 128 --budget 2048"; else ADM="--requests 16 --max-output 48"; fi
   timeout 150 $PY scripts/bench_admission.py --device "$DEVICE" --model "$MODEL" $LOAD $ADM \
     2>&1 | tee "$OUT/admission.txt" | tail -30

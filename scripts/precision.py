@@ -23,8 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from tests.engine.test_precision import last_logits, rel_err  # noqa: E402
-from tests.gpu.test_gpu import compare_greedy, trace_run  # noqa: E402
+from engine.checks.greedy import compare_greedy, last_logits, rel_err, trace_run  # noqa: E402
 
 RESIDUALS = {"bf16 residual": None, "float32 residual": "float32"}
 
@@ -69,8 +68,7 @@ def logits(args: argparse.Namespace) -> None:
 
 
 def chunked(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_check import notes_prompts
+    from scripts.gpu_check.common import notes_prompts
 
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     print(f"| residual | same tokens | near-tie | clear winner | ({args.model}, "

@@ -45,8 +45,8 @@ from instrumentation.protocol import ENDED_STATES, POLICY_NAMES  # noqa: E402  (
 def model_path(name: str, tmp: Path) -> str:
     if name != "tiny":
         return name
+    from engine.checks.models import make_tiny
     from engine.models.loader import resolve
-    from tests.models import make_tiny
 
     return str(make_tiny("llama", tmp, resolve("smollm2", progress=False).path))
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/tp_check.py --out OUT [--sections warmup,exact,bench]
 
 Sections, in order (each isolated: one failing prints its traceback and the rest still run):
-  warmup  FlashInfer's JIT kernels, built once before any engine (scripts/gpu_check.py's)
+  warmup  FlashInfer's JIT kernels, built once before any engine (the GPU check's, scripts/gpu_check/)
   exact   tp_size=2 against tp_size=1, greedy tokens and logits of the same prompts: Qwen3-0.6B
           and Llama-3.1-8B shapes with random weights (graphs and overlap on, and both off),
           SmolLM2 (uneven heads: 2 and 1 KV heads) when its weights are here
@@ -34,26 +34,27 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 # the GPU check's report, timing helpers, JIT warm-up and folded detokenizer (for random ids)
-from gpu_check import (  # noqa: E402
+import engine.step  # noqa: E402
+from engine import LLM  # noqa: E402
+from engine.checks.greedy import compare_greedy, trace_run  # noqa: E402
+from instrumentation.sampling import SamplingParams  # noqa: E402
+from scripts.gpu_check.common import (  # noqa: E402
     QWEN,
-    Report,
+    FoldedDetokenizer,
     decode_times,
     drive,
     free,
     rand_ids,
-    run_sections,
-    sec_env,
-    sec_warmup,
-    smollm2_path,
     weight_bytes,
 )
+from scripts.gpu_check.main import run_sections, sec_env  # noqa: E402
+from scripts.gpu_check.report import Report  # noqa: E402
+from scripts.gpu_check.smollm2 import smollm2_path  # noqa: E402
+from scripts.gpu_check.warmup import sec_warmup  # noqa: E402
 
-from engine import LLM  # noqa: E402
-from instrumentation.sampling import SamplingParams  # noqa: E402
-from tests.gpu.test_gpu import compare_greedy, trace_run  # noqa: E402
+engine.step.IncrementalDetokenizer = FoldedDetokenizer  # type: ignore[misc]
 
 LLAMA8B = REPO / "assets" / "llama3-8b"
 SECTIONS = ("warmup", "exact", "bench")

@@ -139,17 +139,17 @@ class KVManager:
 
     # -- admission -----------------------------------------------------------------------
     def try_admit(
-        self, ids: list[int], promise_tokens: int, hold_pages: int = 0
+        self, ids: list[int], promise_tokens: int, hold_pages: int = 0, cached: bool = True
     ) -> tuple[CacheHandle, int] | WaitReason:
         """Match the prefix, take a row and promise the pages of the request's first
         `promise_tokens` tokens (reserve: prompt plus `max_tokens`; optimistic: the prompt),
         keeping `hold_pages` more free for what admitted requests are estimated to need. Or
         change nothing (not even the cache's LRU order) and say why not: `max_running` (no
         row), `kv` (not enough free and evictable pages), `reserved` (enough, but promised or
-        held for admitted requests)."""
+        held for admitted requests). Not `cached`: no prefix match (every position is computed)."""
         if self.table.num_free_rows == 0:
             return "max_running"
-        handle, pages = self.cache.match(ids)
+        handle, pages = self.cache.match(ids if cached else ids[:1])  # one token matches none
         need = pages_for(promise_tokens, self.page_size) - len(pages)
         # the matched pages stop being evictable once locked, so they cannot count as room
         room = self.allocator.num_free + self.cache.evictable_pages

@@ -66,7 +66,9 @@ class PrefillAdder:
             promise, hold = len(ids), self.hold(outputs)
         else:
             promise, hold = len(ids) + outputs, self.hold(0)
-        resource = self.kv.try_admit(ids, promise, pages_for(hold, self.kv.page_size))
+        # prompt logprobs need every prompt position computed: no prefix-cache hit until done
+        cached = state.params.prompt_logprobs is None or state.prompt_logprobs_done
+        resource = self.kv.try_admit(ids, promise, pages_for(hold, self.kv.page_size), cached)
         if isinstance(resource, str):
             self.waiting_reason = resource
             return None

@@ -12,6 +12,7 @@ from instrumentation.errors import InvalidRequest
 from instrumentation.publisher import is_loopback
 
 TOKEN_ENV = "STEPSCOPE_TOKEN"
+METRICS_TOKEN_ENV = "STEPSCOPE_METRICS_TOKEN"
 
 
 def http_port(text: str) -> int | None:
@@ -64,6 +65,19 @@ class ServerArgs(EngineConfig):
     trace: str | None = setting(
         None, "write every published message to FILE as JSON lines", metavar="FILE"
     )
+    metrics_token: str | None = setting(
+        None, "/metrics needs it as a Bearer token (default: /metrics is open, as vLLM's "
+        f"--api-key guards only /v1); env {METRICS_TOKEN_ENV}",
+    )  # fmt: skip
+    metrics_compat: str | None = setting(
+        None, "also export vLLM's metric names (vllm:), labels and buckets, so vLLM's Grafana "
+        "dashboards work unchanged", choices=("vllm",), noun="metrics compat",
+    )  # fmt: skip
+    generation_config: str = setting(
+        "auto", "auto: the model's generation_config.json sampling defaults apply to requests "
+        "that leave a field out; vllm: OpenAI's defaults (vLLM's switch)",
+        choices=("auto", "vllm"), noun="generation config",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
@@ -83,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the stepscope engine behind a WebSocket (see docs/protocol.md).",
     )
     add_arguments(p, ServerArgs)
-    p.set_defaults(token=os.environ.get(TOKEN_ENV))
+    p.set_defaults(token=os.environ.get(TOKEN_ENV), metrics_token=os.environ.get(METRICS_TOKEN_ENV))
     return p
 
 

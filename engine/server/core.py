@@ -150,6 +150,9 @@ def _http_api(llm: Any, args: Args) -> HttpApi | None:
         llm, host=args.host, port=args.http_port, token=args.token,
         allowed_origins=tuple(args.allow_origin or ()), max_waiting=args.max_waiting,
         model_arg=str(args.model), app=_web_app,
+        metrics_token=getattr(args, "metrics_token", None),
+        generation_config=getattr(args, "generation_config", "auto"),
+        metrics_compat=getattr(args, "metrics_compat", None),
     )  # fmt: skip
 
 

@@ -7,7 +7,10 @@ Everything after `--` goes to every replica. Each replica gets its own WebSocket
 on CUDA, `--gpus 0,1` deals replicas to GPUs round-robin (by default they share the visible
 device). The fleet file (`--fleet-file`, default ~/.cache/stepscope/fleet.json) names every
 replica's WebSocket and HTTP URL and the gateway's, so the page can find them
-(`STEPSCOPE_URL=<the printed list>` or `--fleet FILE`). SIGTERM or Ctrl-C stops the gateway
+(`STEPSCOPE_URL=<the printed list>` or `--fleet FILE`). `--trace-dir DIR` records the fleet:
+each replica writes its `--trace` to DIR/replica-<i>.jsonl (its hello, whose `clock_epoch` puts
+every replica on one clock, then every message), which the page replays side by side
+(`streamlit run app/main.py -- --fleet-trace DIR`). SIGTERM or Ctrl-C stops the gateway
 and then the replicas; a replica that dies stops the fleet with an error naming it.
 """
 
@@ -30,6 +33,7 @@ from typing import IO
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 20.0
+TRACE_NAME = "replica-{i}.jsonl"  # a fleet recording's file per replica (app/fleet_replay.py)
 
 
 def default_fleet_file() -> Path:
@@ -43,6 +47,7 @@ class Replica:
     ws: str
     http: str
     pid: int
+    trace: str | None = None  # its recording (--trace-dir), DIR/replica-<i>.jsonl
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,7 @@ class FleetInfo:
     replicas: list[Replica]
     gateway: str | None
     router_policy: str | None
+    trace_dir: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -135,6 +141,7 @@ class Fleet:
         gateway_port: int = 30000,
         gpus: list[str] | None = None,
         python: str = sys.executable,
+        trace_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"--replicas must be at least 1, got {replicas}")
@@ -145,6 +152,10 @@ class Fleet:
         for flag in ("--port", "--http-port", "--host"):
             if flag in engine_args:
                 raise ValueError(f"{flag} is set per replica by the fleet; leave it out")
+        if any(a == "--trace" or a.startswith("--trace=") for a in engine_args):
+            raise ValueError("--trace would have every replica write one file; "
+                             "use the fleet's --trace-dir DIR (a file per replica)")  # fmt: skip
+        self.trace_dir = None if trace_dir is None else Path(trace_dir)
         self.n, self.engine_args, self.router_policy = replicas, engine_args, router_policy
         self.host, self.gateway_port, self.gpus, self.python = host, gateway_port, gpus, python
         self.procs: list[_Proc] = []
@@ -158,7 +169,12 @@ class Fleet:
             self.stop()
             raise
 
+    def trace_path(self, i: int) -> Path | None:
+        return None if self.trace_dir is None else self.trace_dir / TRACE_NAME.format(i=i)
+
     def _start(self) -> FleetInfo:
+        if self.trace_dir is not None:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
         for i in range(self.n):
             env = dict(os.environ)
             if self.gpus:
@@ -166,14 +182,26 @@ class Fleet:
             cmd = [self.python, "-m", "engine.server", "--host", self.host,
                    "--port", str(free_port(self.host)), "--http-port", str(free_port(self.host)),
                    *self.engine_args]  # fmt: skip
+            if (trace := self.trace_path(i)) is not None:
+                cmd += ["--trace", str(trace)]
             self.procs.append(_Proc(f"replica {i}", cmd, env))
         for p in self.procs:
             p.wait_ready(READY_TIMEOUT_S)
         gateway_url = self.start_gateway(self.router_policy) if self.router_policy else None
         self.info = FleetInfo(
-            replicas=[Replica(p.name, p.ws or "", p.http or "", p.proc.pid) for p in self.procs],
+            replicas=[
+                Replica(
+                    p.name,
+                    p.ws or "",
+                    p.http or "",
+                    p.proc.pid,
+                    None if (t := self.trace_path(i)) is None else str(t),
+                )  # fmt: skip
+                for i, p in enumerate(self.procs)
+            ],
             gateway=gateway_url,
             router_policy=self.router_policy,
+            trace_dir=None if self.trace_dir is None else str(self.trace_dir),
         )
         return self.info
 
@@ -234,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "by default every replica uses the visible device")  # fmt: skip
     p.add_argument("--fleet-file", type=Path, default=None,
                    help="where to write the fleet's URLs (default ~/.cache/stepscope/fleet.json)")  # fmt: skip
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="record the fleet: each replica's --trace as DIR/replica-<i>.jsonl, "
+                   "for the page's fleet replay (--fleet-trace DIR)")  # fmt: skip
     return p
 
 
@@ -248,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet = Fleet(
             args.replicas, engine_args, host=args.host, gateway_port=args.gateway_port,
             router_policy=None if args.no_gateway else args.router_policy,
-            gpus=args.gpus.split(",") if args.gpus else None,
+            gpus=args.gpus.split(",") if args.gpus else None, trace_dir=args.trace_dir,
         )  # fmt: skip
     except ValueError as exc:
         print(f"stepscope fleet: {exc}", file=sys.stderr)
@@ -268,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     if info.gateway:
         print(f"gateway (OpenAI API): {info.gateway}/v1", flush=True)
     print(f"STEPSCOPE_URL={info.ws_urls}", flush=True)
+    if info.trace_dir:
+        print(f"recording to {info.trace_dir} (replay: --fleet-trace {info.trace_dir})", flush=True)
     status = 0
     while not stopping.wait(0.5):
         dead = fleet.dead()

@@ -16,26 +16,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from engine.server.openai_schema import (
-    FINISH_REASONS,
-    ApiError,
-    GenerationRequest,
-    StopMatcher,
-    Usage,
-)
+from engine.detokenizer import StopMatcher
+from engine.server.openai_errors import ApiError
+from engine.server.openai_response import TokenLogprob, Usage
 from engine.server.prometheus import EngineMetrics
 from instrumentation.errors import NotFound
 
+if TYPE_CHECKING:  # the request models need pydantic, which only the web app imports
+    from engine.server.openai_schema import GenerationRequest
+
+log = logging.getLogger("stepscope.http")
 Message = dict[str, Any]
+# OpenAI's finish reasons, from the engine's: an EOS token is a natural stop
+FINISH_REASONS = {"eos": "stop", "length": "length"}
 CLOSED: Message = {"type": "_closed"}  # put on a stream when its client or the server goes away
 STOP_TIMEOUT_S = 10
 
@@ -49,6 +54,11 @@ class HttpConfig:
     max_body_bytes: int = 2**20
     max_waiting: int = 1024
     model_names: tuple[str, ...] = ()  # besides the engine's own model name
+    # /metrics needs this token when set; else it is open, as vLLM's --api-key guards only /v1
+    metrics_token: str | None = None
+    # sampling defaults from the model's generation_config.json (vLLM's --generation-config
+    # auto); empty with `vllm`: OpenAI's defaults
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 class Stream:
@@ -92,22 +102,46 @@ class Router:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._streams: dict[int, Stream] = {}
+        self._dirty: list[Stream] = []  # streams given messages since the last wake-up
+        self._wake_scheduled = False
 
     def register(self, uid: int, stream: Stream) -> None:
         self._streams[uid] = stream  # the caller holds `lock`
+
+    def drop(self, uid: int) -> None:
+        self._streams.pop(uid, None)  # the caller holds `lock`
 
     def unregister(self, uid: int) -> None:
         with self.lock:
             self._streams.pop(uid, None)
 
     def sink(self, msg: Message, _text: str = "") -> None:
-        """A publisher sink (publisher thread)."""
+        """A publisher sink (publisher thread). One loop wake-up for every stream a burst of
+        messages reaches (a step's tokens for 64 streams: one, not 64 cross-thread calls)."""
         if msg.get("type") not in ("token", "request"):
             return
+        loop = None
         with self.lock:
             stream = self._streams.get(msg["uid"])
-        if stream is not None:
-            stream.put(msg)
+            if stream is None:
+                return
+            stream._items.append(msg)
+            if not stream._wake_pending:
+                stream._wake_pending = True
+                self._dirty.append(stream)
+                if not self._wake_scheduled:
+                    self._wake_scheduled, loop = True, stream._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the HTTP loop has closed: shutting down
+                loop.call_soon_threadsafe(self._wake_all)
+
+    def _wake_all(self) -> None:
+        """On the HTTP loop: wake every stream given messages since the last call."""
+        with self.lock:
+            dirty, self._dirty = self._dirty, []
+            self._wake_scheduled = False
+        for stream in dirty:
+            stream._wake()
 
     def close_all(self) -> None:
         with self.lock:
@@ -116,67 +150,147 @@ class Router:
             stream.put(CLOSED)
 
 
-class Generation:
-    """Follows one submitted request: text safe to show, usage, finish reason or error."""
+@dataclass(slots=True)
+class Piece:
+    """What one message adds to one choice: text (empty for a token that shows nothing yet:
+    part of a character, or held back by a stop string) and the logprobs of its tokens."""
 
-    def __init__(self, api: HttpApi, uid: int, stream: Stream, req: GenerationRequest, n: int):
-        self.api = api
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Choice:
+    """One engine request: one choice of a response (one of `n`, for one of its prompts)."""
+
+    def __init__(self, index: int, uid: int, prompt_ids: list[int], echo: str | None,
+                 req: GenerationRequest) -> None:  # fmt: skip
+        self.index = index
         self.uid = uid
-        self.stream = stream
-        self.usage = Usage(prompt_tokens=n)
-        self.matcher = StopMatcher(req.stop)
+        self.prompt_ids = prompt_ids
+        self.echo = echo  # the prompt's text, shown before the output (`echo`)
+        self.want_logprobs = req.logprobs is not None
+        self.matcher = StopMatcher(req.stop, req.include_stop_str)
+        self.tokens = 0
         self.finish_reason: str | None = None
         self.error: ApiError | None = None
         self.done = False
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self._held: list[Piece] | None = [] if echo is not None else None  # until first_token
 
-    async def batches(self) -> AsyncIterator[list[str]]:
-        """Lists of text pieces as they arrive: one per token, even a token that shows no text
-        yet (part of a character, or held back by a stop string), so a client that times
-        chunks times tokens, as with vLLM; plus the held-back tail at the end."""
-        while not self.done:
-            pieces = []
-            for msg in await self.stream.get():
-                piece = self._apply(msg)
-                if piece is not None:
-                    pieces.append(piece)
-                if self.done:
-                    break
-            if pieces:
-                yield pieces
-
-    def _apply(self, msg: Message) -> str | None:
+    def apply(self, msg: Message) -> list[Piece]:
         kind = msg["type"]
         if kind == "token":
-            self.usage.completion_tokens += 1
-            piece = self.matcher.push(msg["text"])
+            self.tokens += 1
+            piece = Piece(self.index, self.matcher.push(msg["text"]))
+            if self.want_logprobs:
+                top = tuple((int(t), float(lp)) for t, lp in msg.get("top_logprobs", ()))
+                piece.logprobs.append(TokenLogprob(msg["token_id"], msg["logprob"], top))
             if self.matcher.stopped:
                 self._end("stop")
-                self.api.stop_request(self.uid)
-            return piece
-        if kind == "_closed":
-            self._end("abort")
-            return None
+            return self._out([piece])
         event = msg["event"]
+        if event == "first_token" and self._held is not None:
+            assert self.echo is not None
+            head = Piece(self.index, self.echo, self._prompt_logprobs(msg))
+            held, self._held = self._held, None
+            return self._out([head, *held])
         if event == "finished":
             self._end(FINISH_REASONS.get(msg.get("finish_reason"), "stop"))
-            return self.matcher.flush() or None
+            return self._out([Piece(self.index, tail)] if (tail := self.matcher.flush()) else [])
         if event == "aborted":  # by someone else: a WebSocket client, say
             self._end("abort")
         elif event == "rejected":
             self.error = ApiError(400, str(msg.get("message", "the engine rejected the request")))
             self._end(None)
-        return None
+        return []
+
+    def _prompt_logprobs(self, msg: Message) -> list[TokenLogprob]:
+        if not self.want_logprobs:
+            return []
+        rows = msg.get("prompt_logprobs", [])
+        out = [TokenLogprob(self.prompt_ids[0], None)]
+        for tid, (lp, top) in zip(self.prompt_ids[1:], rows, strict=True):
+            out.append(TokenLogprob(tid, lp, tuple((int(t), float(v)) for t, v in top)))
+        return out
+
+    def _out(self, pieces: list[Piece]) -> list[Piece]:
+        if self._held is not None:  # echo: the prompt comes first
+            self._held += pieces
+            return []
+        for p in pieces:
+            self.text.append(p.text)
+            self.logprobs += p.logprobs
+        return pieces
 
     def _end(self, reason: str | None) -> None:
         self.done = True
         self.finish_reason = reason
-        self.api.router.unregister(self.uid)
+
+
+class Generation:
+    """Follows the engine requests of one API request (n choices per prompt) on one stream."""
+
+    def __init__(self, api: HttpApi, stream: Stream, choices: list[Choice], prompt_tokens: int):
+        self.api = api
+        self.stream = stream
+        self.choices = choices
+        self._by_uid = {c.uid: c for c in choices}
+        self.usage = Usage(prompt_tokens=prompt_tokens)
+        self.error: ApiError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(c.done for c in self.choices)
+
+    async def batches(self) -> AsyncIterator[list[Piece]]:
+        """Pieces as they arrive: one per token, even a token that shows no text yet, so a
+        client that times chunks times tokens, as with vLLM; plus held-back tails at the end."""
+        while not self.done:
+            pieces: list[Piece] = []
+            for msg in await self.stream.get():
+                if msg["type"] == "_closed":
+                    self.close()
+                    break
+                choice = self._by_uid.get(msg["uid"])
+                if choice is None or choice.done:
+                    continue  # a token of a choice already ended on a stop string
+                pieces += choice.apply(msg)
+                if msg["type"] == "token":
+                    self.usage.completion_tokens += 1
+                if choice.done:
+                    self._ended(choice)
+                if self.done:
+                    break
+            if pieces:
+                yield pieces
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's (a one-choice request's: its own)."""
+        return self.choices[0].finish_reason
+
+    async def text_batches(self) -> AsyncIterator[list[str]]:
+        """`batches` as the text of each piece, for callers that want text only."""
+        async for pieces in self.batches():
+            yield [p.text for p in pieces]
+
+    def _ended(self, choice: Choice) -> None:
+        self.api.router.unregister(choice.uid)
+        if choice.finish_reason == "stop" and choice.matcher.stopped:
+            self.api.stop_request(choice.uid)  # the engine would go on: end it there too
+        if choice.error is not None:
+            self.error = choice.error
+            self.close()
 
     def close(self) -> None:
-        """The client went away (or the response failed): abort if still generating."""
-        if not self.done:
-            self._end("abort")
-            self.api.abort(self.uid)
+        """The client went away (or the response ended): abort every choice still generating."""
+        for choice in self.choices:
+            if not choice.done:
+                choice._end("abort")
+                self.api.router.unregister(choice.uid)
+                self.api.abort(choice.uid)
 
 
 class HttpApi:
@@ -204,6 +318,16 @@ class HttpApi:
         self.port = config.port
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._tokens: dict[int, str] = {}  # token id → its text alone (logprobs)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text decoded alone, as vLLM writes logprobs' tokens (HTTP thread)."""
+        text = self._tokens.get(token_id)
+        if text is None:
+            text = self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._tokens) < 1 << 20:
+                self._tokens[token_id] = text
+        return text
 
     @property
     def url(self) -> str:
@@ -260,6 +384,25 @@ class HttpApi:
         self.abort(uid)
 
 
+# generation_config.json keys that set sampling defaults, as vLLM reads them
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "min_p": "min_p", "max_new_tokens": "max_tokens"}  # fmt: skip
+
+
+def generation_defaults(model_dir: Path | None) -> dict[str, Any]:
+    """The sampling defaults a model's generation_config.json sets (vLLM's `auto`): request
+    fields left out take them. Keys this engine cannot apply are named in a warning."""
+    path = None if model_dir is None else model_dir / "generation_config.json"
+    if path is None or not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    out = {GENERATION_KEYS[k]: v for k, v in raw.items() if k in GENERATION_KEYS and v is not None}
+    if (rep := raw.get("repetition_penalty")) not in (None, 1, 1.0):
+        log.warning("generation_config.json's repetition_penalty=%s is not applied: this "
+                    "engine has no penalties", rep)  # fmt: skip
+    return out
+
+
 def build_http_api(
     llm: Any,
     *,
@@ -270,14 +413,28 @@ def build_http_api(
     max_waiting: int,
     model_arg: str,
     app: Callable[[HttpApi], Any],
+    metrics_token: str | None = None,
+    generation_config: str = "auto",
+    metrics_compat: str | None = None,
 ) -> HttpApi:
     """The API for `python -m engine.server`: `model_arg` (the --model given) is accepted as a
-    model name besides the engine's own."""
+    model name besides the engine's own. `generation_config`: `auto` applies the model's
+    generation_config.json sampling defaults, `vllm` ignores them (vLLM's switch)."""
     import prometheus_client
+
+    from engine.models.loader import resolve
 
     # as vLLM does: no `_created` series beside every counter and histogram (process-wide)
     prometheus_client.disable_created_metrics()
     names = (model_arg, model_arg.rstrip("/").rsplit("/", 1)[-1])
+    defaults = {}
+    if generation_config == "auto" and llm.info.model:
+        with contextlib.suppress(Exception):  # a dummy or odd model has no file to read
+            defaults = generation_defaults(resolve(model_arg, progress=False).path)
+    if defaults:
+        log.info("sampling defaults from generation_config.json: %s", defaults)
     config = HttpConfig(host=host, port=port, token=token, allowed_origins=allowed_origins,
-                        max_waiting=max_waiting, model_names=names)  # fmt: skip
-    return HttpApi(llm, config, EngineMetrics(llm.info.model), app)
+                        max_waiting=max_waiting, model_names=names, metrics_token=metrics_token,
+                        sampling_defaults=defaults)  # fmt: skip
+    metrics = EngineMetrics(llm.info.model, metrics_compat, llm.info.max_seq_len)
+    return HttpApi(llm, config, metrics, app)

@@ -27,12 +27,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.server.openai_api import CLOSED, Generation, HttpConfig, Stream
+from engine.server.openai_api import CLOSED, Choice, Generation, HttpConfig, Piece, Stream
+from engine.server.openai_response import (
+    ChoiceOut,
+    ResponseHead,
+    chat_logprobs,
+    completion_logprobs,
+)
 from engine.server.openai_schema import (
+    COMPLETIONS_MAX_TOKENS,
     ApiError,
     Endpoint,
     GenerationRequest,
-    ResponseHead,
     bad,
     parse_request,
 )
@@ -50,7 +56,41 @@ Message = dict[str, Any]
 
 
 def build_app(api: HttpApi) -> ASGIApp:
-    return _Guard(Endpoints(api).app(), api.config)
+    routes = Endpoints(api).app()
+    app: ASGIApp = _Guard(routes, api.config)
+    if api.metrics.compat == "vllm":  # vLLM's http_requests_total and durations
+        from engine.server.prometheus_vllm import HttpStats
+
+        paths = frozenset(getattr(r, "path", "") for r in routes.routes)
+        api.metrics.http = HttpStats(paths)
+        app = _Timed(app, api.metrics.http)
+    return app
+
+
+class _Timed:
+    """Outermost ASGI layer under --metrics-compat vllm: each HTTP request's route, method,
+    status and time to the end of its response, for vLLM's http_* metrics."""
+
+    def __init__(self, app: ASGIApp, stats: Any) -> None:
+        self.app = app
+        self.stats = stats
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0, status = time.perf_counter(), 500
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            self.stats.observe(scope["path"], scope["method"], status, time.perf_counter() - t0)
 
 
 class EventStreamResponse:
@@ -102,10 +142,6 @@ def _engine_error(exc: EngineError) -> ApiError:
     if isinstance(exc, NotFound):
         return ApiError(404, str(exc), code="not_found")
     return bad(str(exc))
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 class Endpoints:
@@ -179,6 +215,15 @@ class Endpoints:
     def event_stream(self, body: AsyncIterator[bytes], gen: Generation) -> Response:
         return EventStreamResponse(body, gen)  # type: ignore[return-value]
 
+    async def read_json(self, request: Request) -> Any:
+        """The body as JSON (jiter's parser: a lone surrogate is invalid, as on /v1)."""
+        from pydantic_core import from_json
+
+        try:
+            return from_json(await self._read_body(request))
+        except ValueError as exc:
+            raise bad(f"the body is not valid JSON: {str(exc)[:120]}") from None
+
     async def start(
         self, req: GenerationRequest, source: str = "http"
     ) -> tuple[Generation, ResponseHead]:
@@ -188,67 +233,130 @@ class Endpoints:
                 404, f"The model `{req.model}` does not exist.", code="model_not_found",
                 param="model",
             )  # fmt: skip
-        if self.llm.num_waiting() >= self.config.max_waiting:
+        if self.llm.num_waiting() + req.choices > self.config.max_waiting:
             raise ApiError(
                 429, f"{self.config.max_waiting} requests are already waiting; try later",
                 type="rate_limit_error", code="capacity",
             )  # fmt: skip
         # off the HTTP loop: tokenizing a long prompt must not hold up other clients
-        ids = await asyncio.to_thread(self._encode, req)
-        params = SamplingParams(
-            max_tokens=req.max_tokens or self._room(len(ids)),
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            ignore_eos=req.ignore_eos, seed=req.seed,
-        )  # fmt: skip
-        stream = Stream(asyncio.get_running_loop())
-        with self.router.lock:
-            uid = self.llm.submit(ids, params, source=source)
-            self.router.register(uid, stream)
+        prompts = await asyncio.to_thread(self._encode, req)
+        gen = self._submit(req, prompts, Stream(asyncio.get_running_loop()), source)
         self.api.wake()
-        gen = Generation(self.api, uid, stream, req, len(ids))
         prefix = "cmpl" if req.endpoint == "completion" else "chatcmpl"
+        uid = gen.choices[0].uid
         head = ResponseHead(f"{prefix}-{uid}-{secrets.token_hex(6)}", self.api.model, req.endpoint)
         return gen, head
 
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
-        req = parse_request(await self.read_json(request), endpoint)
+        req = parse_request(await self._read_body(request), endpoint)
         gen, head = await self.start(req)
         if req.stream:
             return EventStreamResponse(self._events(gen, head, req), gen)  # type: ignore[return-value]
         watcher = asyncio.create_task(_watch_disconnect(request.receive, gen))
         try:
-            text = "".join([p async for batch in gen.batches() for p in batch])
+            async for _ in gen.batches():
+                pass  # each choice keeps its text and logprobs
         finally:
             watcher.cancel()
-            gen.close()  # whatever ended the wait, the request must not go on without a reader
+            gen.close()  # whatever ended the wait, no request may go on without a reader
         if gen.error is not None:
             raise gen.error
-        return JSONResponse(head.response(text, gen.finish_reason, gen.usage))
+        choices = [
+            ChoiceOut(c.index, "".join(c.text), c.finish_reason, self._logprobs(req, c.logprobs))
+            for c in gen.choices
+        ]
+        return JSONResponse(head.response(choices, gen.usage))
+
+    def _submit(
+        self,
+        req: GenerationRequest,
+        prompts: list[tuple[list[int], str]],
+        stream: Stream,
+        source: str,
+    ) -> Generation:
+        """Submit n engine requests per prompt, all routed to `stream`; all or none."""
+        params = [self._params(req, ids, j) for ids, _ in prompts for j in range(req.n)]
+        for (ids, _), p in zip(prompts, params[:: req.n], strict=True):
+            self.llm.check_fits(len(ids), p.max_tokens)  # before any is queued
+        choices: list[Choice] = []
+        with self.router.lock:
+            try:
+                for k, p in enumerate(params):
+                    ids, text = prompts[k // req.n]
+                    uid = self.llm.submit(ids, p, source=source)
+                    self.router.register(uid, stream)
+                    choices.append(Choice(k, uid, ids, text if req.echo else None, req))
+            except EngineError:
+                for c in choices:
+                    self.router.drop(c.uid)
+                    with contextlib.suppress(EngineError):
+                        self.llm.abort(c.uid)
+                raise
+        return Generation(self.api, stream, choices, sum(len(ids) for ids, _ in prompts))
+
+    def _params(self, req: GenerationRequest, ids: list[int], j: int) -> SamplingParams:
+        """Sampling for choice j of a prompt: the request's fields, else the model's
+        generation_config.json defaults, else OpenAI's; seeds seed, seed + 1, ... as vLLM's."""
+        d = self.config.sampling_defaults
+        room = self._room(len(ids))
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            default = COMPLETIONS_MAX_TOKENS if req.endpoint == "completion" else room
+            max_tokens = min(default, d.get("max_tokens", default))
+        top_k = req.top_k if req.top_k is not None else int(d.get("top_k", -1))
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(_pick(req.temperature, d, "temperature", 1.0)),
+            top_p=float(_pick(req.top_p, d, "top_p", 1.0)),
+            top_k=-1 if top_k == 0 else top_k,
+            min_p=float(_pick(req.min_p, d, "min_p", 0.0)),
+            ignore_eos=req.ignore_eos,
+            seed=None if req.seed is None else (req.seed + j) % 2**64,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo else None,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+
+    def _logprobs(self, req: GenerationRequest, entries: list, offset: int = 0) -> Message | None:
+        if req.logprobs is None:
+            return None
+        decode = _token_id_text if req.tokens_as_ids else self.api.token_text
+        if req.endpoint == "chat":
+            return chat_logprobs(entries, decode)
+        return completion_logprobs(entries, decode, offset)
 
     async def _events(
         self, gen: Generation, head: ResponseHead, req: GenerationRequest
     ) -> AsyncIterator[bytes]:
         continuous = req.include_usage and req.continuous_usage
+        offsets = [0] * len(gen.choices)  # completions' text_offset, per choice
 
-        def chunk(text: str, reason: str | None = None, role: bool = False) -> bytes:
-            obj = head.chunk(text, reason, role=role)
+        def chunk(piece: Piece, reason: str | None = None, role: bool = False) -> bytes:
+            if not (piece.logprobs or reason or role or continuous):
+                return head.text_chunk(piece.index, piece.text)  # the hot path
+            logprobs = None
+            if piece.logprobs:
+                logprobs = self._logprobs(req, piece.logprobs, offsets[piece.index])
+                offsets[piece.index] += len(piece.text)
+            obj = head.chunk(piece.index, piece.text, reason, role=role, logprobs=logprobs)
             if continuous:
                 obj["usage"] = gen.usage.to_dict()
             return _sse(obj)
 
         if req.endpoint == "chat":
-            yield chunk("", role=True)
+            yield b"".join(chunk(Piece(c.index, ""), role=True) for c in gen.choices)
         async for pieces in gen.batches():
             yield b"".join(chunk(p) for p in pieces)
         if gen.error is not None:
             yield _sse(gen.error.body())
         else:
-            yield chunk("", gen.finish_reason or "abort")
+            yield b"".join(chunk(Piece(c.index, ""), c.finish_reason or "abort")
+                           for c in gen.choices)  # fmt: skip
             if req.include_usage:
                 yield _sse(head.usage_chunk(gen.usage))
         yield b"data: [DONE]\n\n"
 
-    async def read_json(self, request: Request) -> Any:
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         too_big = ApiError(413, f"the request body is over {limit} bytes", code="too_large")
         # read an oversized body to its end (up to a bound) before answering: a client still
@@ -262,40 +370,52 @@ class Endpoints:
                 break
         if seen > limit:
             raise too_big
-        try:
-            return json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:
-            raise bad(f"the body is not valid JSON: {str(exc)[:120]}") from None
+        return bytes(body)
 
-    def _encode(self, req: GenerationRequest) -> list[int]:
-        """Token ids for the request (a worker thread); InvalidRequest on a bad prompt."""
+    def _encode(self, req: GenerationRequest) -> list[tuple[list[int], str]]:
+        """Each prompt's token ids and text (a worker thread); InvalidRequest on a bad one."""
         if req.endpoint == "completion":
-            assert req.prompt is not None
-            return self.llm.encode(req.prompt)
+            out = []
+            for prompt in req.prompts:
+                ids = self.llm.encode(prompt)
+                text = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(ids)
+                out.append((ids, text))
+            return out
         tok = self.llm.tokenizer
         if not getattr(tok, "chat_template", None):
             raise bad("this model has no chat template; use /v1/completions", param="messages")
         try:
-            # as LLM.encode(chat=True) does for one user message, for a whole conversation
-            text = tok.apply_chat_template(
-                list(req.messages), tokenize=False, add_generation_prompt=True
-            )
+            # as LLM.encode(chat=True) does for one user message, for a whole conversation;
+            # chat_template_kwargs (Qwen3's enable_thinking, say) reach the template
+            kwargs = {**req.chat_template_kwargs, "tokenize": False,
+                      "add_generation_prompt": req.add_generation_prompt}  # fmt: skip
+            text = tok.apply_chat_template(list(req.messages), **kwargs)
         except Exception as exc:  # the template's own checks (roles must alternate, ...)
             raise bad(f"the chat template refused these messages: {exc}", "messages") from None
         ids = list(tok.encode(text, add_special_tokens=False))
         if not ids:
             raise bad("the conversation is empty", param="messages")
-        return ids
+        return [(ids, text)]
 
     def _room(self, prompt_len: int) -> int:
-        """The default max_tokens (as vLLM's): whatever the context and the pool leave."""
+        """The default max_tokens on chat (as vLLM's): whatever the context and the pool leave."""
         info = self.llm.info
         return max(1, min(info.max_seq_len, info.num_pages * info.page_size) - prompt_len)
 
 
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"  # vLLM's return_tokens_as_token_ids
+
+
+def _pick(value: Any, defaults: dict[str, Any], name: str, fallback: Any) -> Any:
+    return value if value is not None else defaults.get(name, fallback)
+
+
 class _Guard:
     """Outermost ASGI layer: the WebSocket's rules (a Bearer token when one is set, browser
-    origins limited to localhost and --allow-origin) for every path except /health."""
+    origins limited to localhost and --allow-origin) for every path except /health. /metrics
+    takes its own token (--metrics-token) and is open without one, as vLLM's --api-key guards
+    only /v1: a Prometheus scraper need not hold the key that can generate."""
 
     def __init__(self, app: ASGIApp, config: HttpConfig) -> None:
         self.app = app
@@ -306,14 +426,14 @@ class _Guard:
             headers = {
                 k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
             }
-            denied = self._deny(headers)
+            token = self.config.metrics_token if scope["path"] == "/metrics" else self.config.token
+            denied = self._deny(headers, token)
             if denied is not None:
                 await denied(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _deny(self, headers: dict[str, str]) -> Response | None:
-        token = self.config.token
+    def _deny(self, headers: dict[str, str], token: str | None) -> Response | None:
         if token is not None:
             auth = headers.get("authorization", "")
             given = auth[7:].strip() if auth.startswith("Bearer ") else ""

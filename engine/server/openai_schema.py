@@ -1,351 +1,296 @@
-"""The OpenAI request and response shapes: strict parsing of a request body into a typed record,
-the response and stream-chunk dicts, and stop-string matching. Pure functions, no I/O.
+"""The OpenAI request bodies as pydantic v2 models (the convention of FastAPI and vLLM), parsed
+into one typed record, `GenerationRequest`. Pure: no I/O.
 
 Parsing follows what vLLM accepts from common clients: `max_completion_tokens` as well as
-`max_tokens`, message `content` as a string or a list of text parts, `stream_options` with
-`include_usage` and `continuous_usage_stats`, and vLLM's `top_k` and `ignore_eos`. Fields that
-would change the result but that this engine cannot honour (logprobs, penalties, n > 1, ...) are
-refused with a 400 rather than ignored; fields that change nothing (user, metadata) are ignored.
+`max_tokens`, message `content` as a string or a list of text parts, `stream_options`, and
+vLLM's extra sampling fields (`top_k`, `min_p`, `ignore_eos`, `include_stop_str_in_output`,
+`skip_special_tokens`, `chat_template_kwargs`). A field that would change the result and that
+this engine cannot honour (penalties, logit_bias, beam search, ...) is refused with a 400 unless
+it has its neutral value; fields that change nothing (user, metadata) are ignored. `null` means
+"not given" everywhere.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-Endpoint = Literal["completion", "chat"]
-Message = dict[str, Any]
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
-# OpenAI's finish reasons, from the engine's: an EOS token is a natural stop
-FINISH_REASONS = {"eos": "stop", "length": "length"}
+from engine.server.openai_errors import ApiError, Endpoint, Message, bad
+from instrumentation.sampling import MAX_LOGPROBS
+
+__all__ = ["ApiError", "ChatBody", "CompletionBody", "GenerationRequest", "bad", "parse_request"]
+
+Prompt = str | list[int]
+
 MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
-CHAT_ROLES = frozenset(("system", "user", "assistant", "developer"))
+SEED_RANGE = (-(2**63), 2**64 - 1)  # any 64-bit integer, signed or not (torch's range)
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions
 
 # Accepted only at a value that changes nothing; anything else is a 400 naming the field.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0),
+    "length_penalty": (1, 1.0),
     "logit_bias": ({},),
     "suffix": ("",),
     "min_tokens": (0,),
     "use_beam_search": (False,),
     "tools": ([],),
+    "tool_choice": ("none",),
     "stop_token_ids": ([],),
     "response_format": ({"type": "text"},),
+    # vLLM's extras that would change the result, refused at any value but their neutral one
+    "prompt_logprobs": (),  # vLLM's own shape of them; `echo` with `logprobs` gives OpenAI's
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "spaces_between_special_tokens": (True,),
+    "continue_final_message": (False,),
+    "functions": (),
+    "reasoning_effort": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
 }
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-
-    def body(self) -> Message:
-        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return {"error": err}
+# -- field types: JSON has one number type, so 16.0 is the integer 16; true is never a number --
+def _integral(value: Any) -> Any:
+    if type(value) is float and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if type(value) is not int:
+        raise ValueError("must be an integer")
+    return value
 
 
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
+def _finite(value: Any) -> Any:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return float(value)
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+Number = Annotated[float, BeforeValidator(_finite)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+Logprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_and_drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic's own error: an object is needed
+        for name, neutral in NEUTRAL.items():
+            value = data.get(name)
+            if value is not None and not any(type(value) is type(n) and value == n
+                                             for n in neutral):  # fmt: skip
+                # not a ValueError: pydantic lets it through, with the field's name
+                raise bad(f"{name}={value!r} is not supported by this server", param=name)
+        return {k: v for k, v in data.items() if v is not None}
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = True  # vLLM's default once stream_options is given
+    continuous_usage_stats: StrictBool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+
+    def as_dict(self) -> Message:
+        text = self.content
+        if not isinstance(text, str):  # text parts joined with newlines, as vLLM joins them
+            text = "\n".join(p.text for p in text)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class _Sampling(_Body):
+    model: StrictStr | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    seed: Annotated[Int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    n: Annotated[Int, Field(ge=1, le=128)] = 1
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    return_tokens_as_token_ids: StrictBool = False  # logprobs' tokens as "token_id:123"
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+
+class CompletionBody(_Sampling):
+    prompt: (
+        Annotated[StrictStr, Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    echo: StrictBool = False
+    logprobs: Logprobs | None = None
+    add_special_tokens: Literal[True] = True  # the tokenizer's BOS and the like, as vLLM's
+
+
+class ChatBody(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: StrictBool = False
+    top_logprobs: Logprobs | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    add_generation_prompt: StrictBool = True
+    echo: Literal[False] = False
+    add_special_tokens: Literal[False] = False  # the template has them, as vLLM's default
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatBody:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One validated completion or chat request."""
+    """One validated completion or chat request. Sampling fields left None take the model's
+    generation_config.json defaults, if any, then OpenAI's."""
 
     endpoint: Endpoint
     model: str | None
-    prompt: str | list[int] | None = None  # completions
+    prompts: tuple[Prompt, ...] = ()  # completions: one choice set per prompt
     messages: tuple[Message, ...] = ()  # chat: {"role", "content": str}
-    max_tokens: int | None = None  # None: as many as the context leaves
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    max_tokens: int | None = None  # None: the endpoint's default
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
+    n: int = 1
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # top alternatives per token; 0: the chosen token's only
+    tokens_as_ids: bool = False
+    echo: bool = False
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
 
-
-def parse_request(obj: Any, endpoint: Endpoint) -> GenerationRequest:
-    """A decoded JSON body → a GenerationRequest, or ApiError(400) naming the bad field."""
-    if not isinstance(obj, dict):
-        raise bad("the request body must be a JSON object")
-    body = {k: v for k, v in obj.items() if v is not None}  # null means "not given"
-    for name, neutral in NEUTRAL.items():
-        if name in body and not _same(body[name], neutral):
-            raise bad(f"{name}={body[name]!r} is not supported by this server", param=name)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model must be a string", param="model")
-    prompt: str | list[int] | None = None
-    messages: tuple[Message, ...] = ()
-    if endpoint == "completion":
-        prompt = _prompt(body.get("prompt"))
-    else:
-        messages = _messages(body.get("messages"))
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    include_usage = continuous = False
-    if options is not None:
-        if not stream:
-            raise bad("stream_options is only allowed with stream=true", param="stream_options")
-        if not isinstance(options, dict):
-            raise bad("stream_options must be an object", param="stream_options")
-        include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
-        continuous = _bool(
-            options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats"
-        )
-    max_tokens = _max_tokens(body)
-    top_k = _int(body, "top_k", -1)
-    if top_k == 0:  # vLLM's and Hugging Face's "no top-k"
-        top_k = -1
-    if top_k < -1:
-        raise bad("top_k must be -1, 0 or an integer >= 1", param="top_k")
-    seed = body.get("seed")
-    if seed is not None:
-        seed = _int(body, "seed", 0)
-        if not 0 <= seed <= MAX_SEED:
-            raise bad(f"seed must be an integer in [0, {MAX_SEED}]", param="seed")
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad("temperature must be >= 0", param="temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad("top_p must be in (0, 1]", param="top_p")
-    return GenerationRequest(
-        endpoint=endpoint,
-        model=model,
-        prompt=prompt,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        ignore_eos=_bool(body, "ignore_eos", False),
-        stop=_stop(body.get("stop")),
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage=continuous,
-    )
+    @property
+    def choices(self) -> int:
+        return self.n * max(1, len(self.prompts))
 
 
-def _same(value: Any, neutral: tuple[Any, ...]) -> bool:
-    # type-strict: `True` is not the neutral `1`, `1.5` is not `1`
-    return any(type(value) is type(n) and value == n for n in neutral)
-
-
-def _prompt(value: Any) -> str | list[int]:
-    # a one-element batch is one prompt; longer batches need n prompts → not supported
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise bad("prompt must not be empty", param="prompt")
-        return value
-    if isinstance(value, list) and value and all(type(t) is int for t in value):
-        return value
-    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
-        raise bad("one prompt per request: batches of prompts are not supported", "prompt")
-    raise bad("prompt must be a non-empty string or list of token ids", param="prompt")
-
-
-def _messages(value: Any) -> tuple[Message, ...]:
-    if not isinstance(value, list) or not value:
-        raise bad("messages must be a non-empty list", param="messages")
-    out = []
-    for i, msg in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad(f"{where} must be an object", param=where)
-        role = msg.get("role")
-        if role not in CHAT_ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}", where)
-        content = _content(msg.get("content"), f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return tuple(out)
-
-
-def _content(value: Any, where: str) -> str:
-    """A string, or a list of text parts joined (as vLLM joins them, with newlines)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value:
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad(f"{where}: only text parts are supported", param=where)
-            if not isinstance(part.get("text"), str):
-                raise bad(f"{where}: a text part needs a string `text`", param=where)
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad(f"{where} must be a string or a list of text parts", param=where)
-
-
-def _max_tokens(body: dict[str, Any]) -> int | None:
-    # max_completion_tokens is the newer name; a client may send both, as the openai SDK can
-    for name in ("max_completion_tokens", "max_tokens"):
-        if name in body:
-            value = _int(body, name, 0)
-            if value < 1:
-                raise bad(f"{name} must be an integer >= 1, got {value}", param=name)
-            return value
-    return None
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad("stop must be a string or a list of strings", param="stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
-    return tuple(s for s in stops if s)  # an empty stop string matches nothing (as in vLLM)
-
-
-def _int(obj: dict[str, Any], name: str, default: int) -> int:
-    value = obj.get(name, default)
-    if type(value) is int:
-        return value
-    if type(value) is float and value.is_integer() and abs(value) < 2**53:
-        return int(value)  # JSON has one number type; 16.0 is 16 (as pydantic accepts it)
-    raise bad(f"{name} must be an integer", param=name)
-
-
-def _number(obj: dict[str, Any], name: str, default: float) -> float:
-    value = obj.get(name, default)
+def parse_request(body: bytes | str | Any, endpoint: Endpoint) -> GenerationRequest:
+    """A request body (raw JSON, or already decoded) → a GenerationRequest, or ApiError(400)
+    naming the bad field. Raw JSON with a lone surrogate (`"\\ud800"`) is invalid JSON."""
+    model = CompletionBody if endpoint == "completion" else ChatBody
     try:
-        number = float(value) if type(value) in (int, float) else math.nan
-    except OverflowError:
-        number = math.nan
-    if not math.isfinite(number):
-        raise bad(f"{name} must be a finite number", param=name)
-    return number
-
-
-def _bool(obj: dict[str, Any], name: str, default: bool, shown: str | None = None) -> bool:
-    value = obj.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(f"{shown or name} must be true or false", param=shown or name)
-    return value
-
-
-class StopMatcher:
-    """Finds the first stop string in text that arrives in pieces.
-
-    `push` returns the text that is safe to show now: everything except a tail that could still
-    become the start of a stop string (held back, as vLLM does). `stopped` is set once a stop
-    string is complete; the text before it is then all that is ever shown.
-    """
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = ""  # everything generated so far, stop string included
-        self.shown = 0  # characters of `text` returned so far
-        self.stopped = False
-
-    def push(self, piece: str) -> str:
-        if self.stopped:
-            return ""
-        start = max(0, len(self.text) - self.hold)  # a match may begin in the held tail
-        self.text += piece
-        if self.stops:
-            hits = [i for s in self.stops if (i := self.text.find(s, start)) != -1]
-            if hits:
-                self.stopped = True
-                self.text = self.text[: min(hits)]
-                return self._show(len(self.text))
-        return self._show(max(self.shown, len(self.text) - self.hold))
-
-    def flush(self) -> str:
-        """At the end of generation: the held-back tail (nothing after a stop)."""
-        return self._show(len(self.text))
-
-    def _show(self, upto: int) -> str:
-        out = self.text[self.shown : upto]
-        self.shown = max(self.shown, upto)
-        return out
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    def to_dict(self) -> Message:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseHead:
-    """What every response and chunk of one request repeats."""
-
-    id: str
-    model: str
-    endpoint: Endpoint
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def _base(self, obj: str) -> Message:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def response(self, text: str, finish_reason: str | None, usage: Usage) -> Message:
-        if self.endpoint == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            out = self._base("text_completion")
+        if isinstance(body, bytes | str):
+            parsed = model.model_validate_json(body)
         else:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-            out = self._base("chat.completion")
-        return {**out, "choices": [choice], "usage": usage.to_dict()}
+            parsed = model.model_validate(body)
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+    return _to_request(parsed, endpoint)
 
-    def chunk(self, text: str, finish_reason: str | None = None, *, role: bool = False) -> Message:
-        if self.endpoint == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._base("text_completion"), "choices": [choice]}
-        delta: Message = {"role": "assistant", "content": text} if role else {}
-        if text and not role:
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._base("chat.completion.chunk"), "choices": [choice]}
 
-    def usage_chunk(self, usage: Usage) -> Message:
-        obj = "text_completion" if self.endpoint == "completion" else "chat.completion.chunk"
-        return {**self._base(obj), "choices": [], "usage": usage.to_dict()}
+# fields of several shapes: one message for all, not the first shape's complaint
+SHAPES = {
+    "prompt": "prompt must be a non-empty string, a list of token ids, or a list of either",
+    "stop": f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings",
+    "content": "content must be a string or a non-empty list of text parts",
+}
+
+
+def _api_error(exc: ValidationError) -> ApiError:
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return bad(f"the body is not valid JSON: {err['msg'][:120]}")
+    if err["type"] == "model_type" and not err["loc"]:
+        return bad("the request body must be a JSON object")
+    # a union's failures name the branch (`str`, `list[int]`): keep only the field's path
+    loc = [str(p) for p in err["loc"] if isinstance(p, int) or "[" not in str(p)]
+    loc = [p for p in loc if p not in ("str", "function-after", "constrained-str")]
+    param = ".".join(loc) or None
+    if loc and (shape := SHAPES.get(loc[-1] if loc[-1] in SHAPES else loc[0])):
+        kind = err["type"]
+        if kind.endswith(("_type", "_parsing", "too_short", "too_long", "literal_error")):
+            return bad(f"{param}: {shape}", param=param)
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return bad(f"{param}: {msg}" if param else msg, param=param)
+
+
+def _to_request(body: CompletionBody | ChatBody, endpoint: Endpoint) -> GenerationRequest:
+    options = body.stream_options
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    common: dict[str, Any] = {
+        "endpoint": endpoint,
+        "model": body.model,
+        # max_completion_tokens is the newer name; the openai SDK may send both
+        "max_tokens": body.max_completion_tokens or body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": -1 if body.top_k == 0 else body.top_k,  # 0: vLLM's and HF's "no top-k"
+        "min_p": body.min_p,
+        "seed": body.seed,
+        "n": body.n,
+        "ignore_eos": body.ignore_eos,
+        "stop": tuple(s for s in stops if s),  # an empty stop string matches nothing (vLLM)
+        "include_stop_str": body.include_stop_str_in_output,
+        "skip_special_tokens": body.skip_special_tokens,
+        "tokens_as_ids": body.return_tokens_as_token_ids,
+        "stream": body.stream,
+        "include_usage": options is not None and options.include_usage,
+        "continuous_usage": options is not None and options.continuous_usage_stats,
+    }
+    if isinstance(body, CompletionBody):
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts: tuple[Prompt, ...] = (prompt,)  # type: ignore[assignment]
+        else:
+            prompts = tuple(prompt)  # type: ignore[arg-type]
+        return GenerationRequest(prompts=prompts, echo=body.echo, logprobs=body.logprobs, **common)
+    return GenerationRequest(
+        messages=tuple(m.as_dict() for m in body.messages),
+        chat_template_kwargs=dict(body.chat_template_kwargs),
+        add_generation_prompt=body.add_generation_prompt,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        **common,
+    )

@@ -6,6 +6,9 @@ engine's order (on the publisher's thread) and keeps vLLM's metrics under the pr
 the prefix is renamed. Histogram buckets are supersets of vLLM's (every vLLM bound is here, plus
 finer ones below 10 ms for GPU decode steps), so a query for a vLLM bucket still finds it.
 
+Under `--metrics-compat vllm` the same figures are also served under vLLM's own names, labels and
+bucket boundaries (engine/server/prometheus_vllm.py), for vLLM's Grafana dashboards unchanged.
+
 Per-request figures are instrumentation.metrics' (docs/protocol.md, "Metrics"): TTFT is first
 token minus queued, ITL the gaps between one request's consecutive tokens, TPOT and e2e latency
 `request_metrics`', and a decode stall (stepscope's own `decode_stall_seconds`, with its exact
@@ -20,7 +23,7 @@ import threading
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -30,6 +33,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from engine.server.prometheus_vllm import HttpStats
 
 from instrumentation.metrics import request_metrics, stalled_between
 from instrumentation.protocol import ENDED_STATES, WAIT_REASONS
@@ -50,6 +56,7 @@ TTFT_BUCKETS = tuple(sorted({*_VLLM_TTFT, *_FINE}))
 ITL_BUCKETS = tuple(sorted({*_VLLM_ITL, *_FINE}))
 REQUEST_BUCKETS = tuple(sorted({*_VLLM_REQUEST, 0.001, 0.01, 0.05, 0.1, 0.2}))
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+COMPAT = ("vllm",)
 
 
 @dataclass(slots=True)
@@ -59,6 +66,8 @@ class _Live:
 
     t_queued: float
     prompt_len: int
+    max_tokens: int = 0
+    cached_len: int = 0
     state: str = "waiting"  # or "running"
     t_admitted: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -101,8 +110,16 @@ class EngineMetrics:
     Prometheus tolerates (the next scrape is consistent).
     """
 
-    def __init__(self, model_name: str) -> None:
-        self._model = model_name
+    def __init__(
+        self, model_name: str, compat: str | None = None, max_model_len: int = 8192
+    ) -> None:
+        from engine.server.prometheus_vllm import one_two_five
+
+        if compat is not None and compat not in COMPAT:
+            raise ValueError(f"metrics compat must be one of {COMPAT}, got {compat!r}")
+        self._model = self.model_name = model_name
+        self.compat = compat
+        self.max_model_len = max_model_len
         self._live: dict[int, _Live] = {}
         self._step_no = -1  # the number of the last step message: the step of the tokens after it
         self._running = 0  # of `_live`, those admitted
@@ -119,6 +136,9 @@ class EngineMetrics:
         )
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of prefilled requests.")
+        self.prompt_cached = c(
+            "prompt_tokens_cached", "Prompt tokens of prefilled requests served by the cache."
+        )
         self.generation_tokens = c("generation_tokens", "Generated tokens.")
         self.preemptions = c(
             "num_preemptions",
@@ -137,7 +157,7 @@ class EngineMetrics:
         }
         # vLLM's finished_reason values, present at 0 as vLLM's are
         self.success = {r: c("request_success", "Ended requests by finish reason.")
-                        for r in ("stop", "length", "abort")}  # fmt: skip
+                        for r in ("stop", "length", "abort", "error")}  # fmt: skip
         self.ttft = h("time_to_first_token_seconds", "Queued to first token.", TTFT_BUCKETS)
         self.itl = h("inter_token_latency_seconds", "Gap between a request's tokens.", ITL_BUCKETS)
         self.tpot = h(
@@ -147,6 +167,30 @@ class EngineMetrics:
         )
         self.queue_time = h("request_queue_time_seconds", "Queued to admitted.", REQUEST_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "Queued to last token.", REQUEST_BUCKETS)
+        self.prefill_time = h(
+            "request_prefill_time_seconds", "Admitted to first token.", REQUEST_BUCKETS
+        )
+        self.decode_time = h(
+            "request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS
+        )
+        self.inference_time = h(
+            "request_inference_time_seconds", "Admitted to last token.", REQUEST_BUCKETS
+        )
+        lengths = one_two_five(max_model_len)  # vLLM's token-count buckets
+        self.request_prompt_tokens = h(
+            "request_prompt_tokens", "Prompt tokens of each ended request.", lengths
+        )
+        self.request_generation_tokens = h(
+            "request_generation_tokens", "Generated tokens of each ended request.", lengths
+        )
+        self.request_max_generation_tokens = h(
+            "request_max_num_generation_tokens",
+            "Most tokens generated by one sequence of each ended request (n = 1: its own).",
+            lengths,
+        )
+        self.request_max_tokens = h(
+            "request_params_max_tokens", "The max_tokens of each ended request.", lengths
+        )
         self.iteration_tokens = h(
             "iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS
         )
@@ -161,6 +205,11 @@ class EngineMetrics:
         self.stall_max = g(
             "decode_stall_max_seconds", "The longest decode stall of any request so far."
         )
+        self.http: HttpStats | None = None  # set by the HTTP API under the vLLM switch
+        if compat == "vllm":
+            from engine.server.prometheus_vllm import check_bounds
+
+            check_bounds(self)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]  # a collector: `collect()`
 
@@ -177,7 +226,8 @@ class EngineMetrics:
             fam.add_metric([self._model, reason], gauge.value)
         yield fam
         counters = (self.prefix_queries, self.prefix_hits, self.prompt_tokens,
-                    self.generation_tokens, self.preemptions, self.recomputed)  # fmt: skip
+                    self.prompt_cached, self.generation_tokens, self.preemptions,
+                    self.recomputed)  # fmt: skip
         for k in counters:
             fam = CounterMetricFamily(PREFIX + k.name, k.doc, labels=["model_name"])
             fam.add_metric(lab, k.value)
@@ -189,8 +239,11 @@ class EngineMetrics:
         for reason, k in self.success.items():
             fam.add_metric([self._model, reason], k.value)
         yield fam
-        hists = (self.ttft, self.itl, self.tpot, self.queue_time, self.e2e,
-                 self.iteration_tokens, self.step_seconds, self.stall)  # fmt: skip
+        hists = (self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.prefill_time,
+                 self.decode_time, self.inference_time, self.request_prompt_tokens,
+                 self.request_generation_tokens, self.request_max_generation_tokens,
+                 self.request_max_tokens, self.iteration_tokens, self.step_seconds,
+                 self.stall)  # fmt: skip
         for h in hists:
             counts, total = list(h.counts), h.sum  # a snapshot
             cum, buckets = 0, []
@@ -200,6 +253,12 @@ class EngineMetrics:
             fam = HistogramMetricFamily(PREFIX + h.name, h.doc, labels=["model_name"])
             fam.add_metric(lab, buckets, sum_value=total)
             yield fam
+        if self.compat == "vllm":
+            from engine.server.prometheus_vllm import vllm_families
+
+            yield from vllm_families(self)
+            if self.http is not None:
+                yield from self.http.families()
 
     # -- the sink (publisher thread) -----------------------------------------------------
     def __call__(self, msg: Message, _text: str = "") -> None:
@@ -257,7 +316,7 @@ class EngineMetrics:
     def _request(self, msg: Message) -> None:
         uid, event, t = msg["uid"], msg["event"], msg["t"]
         if event == "queued":
-            self._live[uid] = _Live(t, int(msg.get("prompt_len", 0)))
+            self._live[uid] = _Live(t, int(msg.get("prompt_len", 0)), int(msg.get("max_tokens", 0)))
             self._gauges()
             return
         r = self._live.get(uid)
@@ -278,10 +337,12 @@ class EngineMetrics:
             self._running += 1
             self.queue_time.observe(t - r.t_queued)
             self.prefix_queries.inc(r.prompt_len)
-            self.prefix_hits.inc(int(msg.get("cached_len", 0)))
+            r.cached_len = int(msg.get("cached_len", 0))
+            self.prefix_hits.inc(r.cached_len)
             self._gauges()
         elif event == "first_token":
             self.prompt_tokens.inc(r.prompt_len)
+            self.prompt_cached.inc(r.cached_len)
         elif event in ENDED_STATES:
             del self._live[uid]
             self._running -= r.state == "running"
@@ -293,6 +354,8 @@ class EngineMetrics:
                 self._ended(r, reason)
             elif event == "aborted":
                 self.success["abort"].inc()
+            else:  # rejected: the engine could not run it
+                self.success["error"].inc()
             self._gauges()
 
     def _ended(self, r: _Live, reason: str) -> None:
@@ -302,6 +365,18 @@ class EngineMetrics:
             self.e2e.observe(m["e2e_request_latency_seconds"])
         if m["time_per_output_token_seconds"] is not None:
             self.tpot.observe(m["time_per_output_token_seconds"])
+        # vLLM's per-request phases and lengths, recorded when a request ends as vLLM does
+        for hist, key in ((self.prefill_time, "prefill_time_seconds"),
+                          (self.decode_time, "decode_time_seconds"),
+                          (self.inference_time, "inference_time_seconds")):  # fmt: skip
+            if m[key] is not None:
+                hist.observe(m[key])
+        output = len(r.token_times)
+        self.request_prompt_tokens.observe(r.prompt_len)
+        self.request_generation_tokens.observe(output)
+        self.request_max_generation_tokens.observe(output)
+        if r.max_tokens:
+            self.request_max_tokens.observe(r.max_tokens)
 
     def _gauges(self) -> None:
         self.running.set(self._running)

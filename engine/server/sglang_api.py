@@ -174,7 +174,7 @@ class SglangWorker:
         gen, _ = await self.ep.start(req, source="health")
         try:
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
-                async for _ in gen.batches():
+                async for _ in gen.text_batches():
                     pass
         except TimeoutError:
             return Response("the engine did not generate in time", status_code=503)
@@ -231,7 +231,7 @@ class SglangWorker:
         if req.stream:
             return self.ep.event_stream(self._stream(gen, meta), gen)
         try:
-            text = "".join([p async for batch in gen.batches() for p in batch])
+            text = "".join([p async for batch in gen.text_batches() for p in batch])
         finally:
             gen.close()
         if gen.error is not None:
@@ -241,7 +241,7 @@ class SglangWorker:
     async def _stream(self, gen: Any, meta: Callable[[], Message]) -> AsyncIterator[bytes]:
         # SGLang streams the text so far in every chunk (not only the new piece)
         text = ""
-        async for pieces in gen.batches():
+        async for pieces in gen.text_batches():
             text += "".join(pieces)
             yield _sse({"text": text, "meta_info": meta()})
         if gen.error is not None:

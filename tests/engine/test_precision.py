@@ -19,30 +19,8 @@ import statistics
 import pytest
 import torch
 
-import engine.runner as runner
-from engine import LLM, SamplingParams
-
-
-def last_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """The logits each prompt's first token is sampled from."""
-    rows: list[torch.Tensor] = []
-    sample = runner.sample_tokens
-
-    def tapped(logits: torch.Tensor, *args: object) -> torch.Tensor:
-        rows.append(logits[0].float().clone())
-        return sample(logits, *args)  # type: ignore[arg-type]
-
-    runner.sample_tokens = tapped
-    try:
-        for p in prompts:
-            llm.generate([p], SamplingParams(max_tokens=1, ignore_eos=True))
-    finally:
-        runner.sample_tokens = sample
-    return rows
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a - ref).norm() / ref.norm())
+from engine import LLM
+from engine.checks.greedy import last_logits, rel_err
 
 
 @pytest.fixture

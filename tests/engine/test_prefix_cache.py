@@ -166,8 +166,8 @@ def test_failed_admission_leaves_the_tree_and_lru_order_untouched(page_size: int
     a = [rng.randrange(3, 500) for _ in range(24)]
     b = a[:8] + [rng.randrange(3, 500) for _ in range(16)]
     for ids in (a, b):  # two cached prompts sharing 8 tokens, both unlocked
-        admitted = kv.try_admit(ids, 1)
-        assert admitted is not None
+        admitted = kv.try_admit(ids, len(ids) + 1)  # promise the prompt and one token
+        assert not isinstance(admitted, str)
         handle, row = admitted
         kv.map_upto([(row, len(ids))])
         kv.release(row, handle, ids)
@@ -180,10 +180,10 @@ def test_failed_admission_leaves_the_tree_and_lru_order_untouched(page_size: int
     before = state()
     # this matches 12 tokens of `a`: locking them would split a node and touch its path; but
     # 12 + 60 tokens cannot fit in a 64-token pool, so the admission fails and changes nothing
-    assert kv.try_admit(a[:12] + [7] * 4, 60) is None
+    assert kv.try_admit(a[:12] + [7] * 4, 16 + 60) == "kv"
     assert state() == before
     kv.check_integrity([])
-    admitted = kv.try_admit(a[:12] + [7] * 4, 4)  # smaller, it fits: now the node is split
-    assert admitted is not None and admitted[0].cached_len == 12
+    admitted = kv.try_admit(a[:12] + [7] * 4, 16 + 4)  # smaller, it fits: the node is split
+    assert not isinstance(admitted, str) and admitted[0].cached_len == 12
     assert len(cache._nodes()) == len(before[0]) + 1
     kv.check_integrity([admitted[1]])

@@ -3,23 +3,27 @@ on the same weights, CUDA-graph decode against eager, chunked against unchunked 
 
 All of it runs in bf16 on CUDA and is skipped without CUDA or FlashInfer. The models are small
 random ones with wide weight spreads, so greedy choices have clear margins and token-level
-comparisons test the kernels, not luck in near-ties. scripts/gpu_check.py runs this file first.
+comparisons test the kernels, not luck in near-ties. scripts/gpu_check/ runs this file first.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.models import make_tiny
+from engine.checks.greedy import (
+    LogitTap,
+    compare_greedy,
+    rel_err,
+    trace_run,
+)
+from engine.checks.kernels import gemv_pinned
+from engine.checks.models import make_wide_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,131 +34,8 @@ BF16_RTOL = 1e-2  # relative (Frobenius) error allowed between bf16 results
 # A random model amplifies bf16 rounding through its layers, and Hugging Face's own bf16 run
 # carries that error too: the engine may be this many times as far from fp32 as HF bf16 is.
 HF_BF16_FACTOR = 2.0
-# A greedy divergence is a near-tie when the reference's top-2 gap is within this many RMS of
-# the two runs' logit difference at that step (their inputs being identical up to there).
-TIE_NOISE = 4.0
 # (num_heads, num_kv_heads, head_dim): Qwen3-0.6B's attention, and SmolLM2's (groups of 3)
 HEAD_SHAPES = [(16, 8, 128), (9, 3, 64)]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def make_wide_model(
-    path: Path,
-    tokenizer_dir: Path,
-    *,
-    arch: str = "qwen3",
-    num_layers: int = 2,
-    num_heads: int = 8,
-    num_kv_heads: int = 4,
-    head_dim: int = 128,
-    seed: int = 0,
-) -> Path:
-    """A random Hugging Face model directory with FlashInfer-sized heads and the bundled
-    tokenizer's 49,152-token vocabulary. Embeddings spread widely (clear greedy margins); the
-    projections keep activations at scale, so bf16 rounding is not amplified layer by layer."""
-    return make_tiny(
-        arch,
-        path,
-        tokenizer_dir,
-        seed=seed,
-        proj_std=0.03,
-        hidden_size=num_heads * head_dim,
-        intermediate_size=1024,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=4096,
-    )
-
-
-class LogitTap:
-    """Records the logits each launched step hands to the sampler, one [rows, vocab] tensor per
-    launch, in launch order. Step records come in the same order, with or without overlap, so
-    `rows_of(record)` finds the tensor behind a record."""
-
-    def __init__(self) -> None:
-        self.calls: list[torch.Tensor] = []
-        self._read = 0
-
-    def __enter__(self) -> LogitTap:
-        import engine.runner as runner
-
-        self._runner, self._sample = runner, runner.sample_tokens
-
-        def tapped(logits: torch.Tensor, *args: Any) -> torch.Tensor:
-            self.calls.append(logits.float().cpu())
-            return self._sample(logits, *args)
-
-        runner.sample_tokens = tapped
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._runner.sample_tokens = self._sample
-
-    def rows_of(self, record: Any) -> torch.Tensor | None:
-        """The logits behind a step record (None for a record of chunks only, or no record)."""
-        if record is None or all(it.kind == "chunk" for it in record.items):
-            return None
-        self._read += 1
-        return self.calls[self._read - 1]
-
-
-@dataclass
-class Trace:
-    """One request's greedy run: each sampled token and the logits row it came from."""
-
-    tokens: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-
-def trace_run(llm: Any, prompts: list[list[int]], params: Any) -> list[Trace]:
-    """Run prompts to completion step by step, mapping each logits row to its request through
-    the step record (sampled rows are the non-chunk items, in batch order)."""
-    uids = [llm.submit(p, params) for p in prompts]
-    traces = {u: Trace() for u in uids}
-    with LogitTap() as tap:
-        while llm.has_work():
-            record = llm.step()
-            logits = tap.rows_of(record)
-            if logits is None:
-                continue
-            rows = [it.uid for it in record.items if it.kind != "chunk"]
-            for uid, row in zip(rows, logits, strict=True):
-                traces[uid].tokens.append(int(row.argmax()))
-                traces[uid].logits.append(row)
-    return [traces[u] for u in uids]
-
-
-def compare_greedy(ref: list[Trace], other: list[Trace], n_tokens: int) -> dict[str, Any]:
-    """Per request over its first n_tokens: `same`; diverged at a near-tie (`ties`: the two
-    runs' logits differ by bf16 noise and the reference's top-2 gap is within that noise); or
-    diverged where the reference had a clear winner (`mismatches`: a bug). `worst_rel_err` is
-    the largest relative logits difference at steps whose inputs were still identical."""
-    out: dict[str, Any] = {"same": 0, "ties": 0, "mismatches": 0, "worst_rel_err": 0.0}
-    for a, b in zip(ref, other, strict=True):
-        ta, tb = a.tokens[:n_tokens], b.tokens[:n_tokens]
-        j = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), None)
-        last = len(ta) - 1 if j is None else j  # inputs are identical up to and with step j
-        for i in range(last + 1):
-            out["worst_rel_err"] = max(out["worst_rel_err"], rel_err(b.logits[i], a.logits[i]))
-        if j is None:
-            out["same"] += 1
-            continue
-        gap, noise = tie_margin(a.logits[j], b.logits[j], ta[j], tb[j])
-        out["ties" if gap <= TIE_NOISE * noise else "mismatches"] += 1
-    return out
-
-
-def tie_margin(ref: torch.Tensor, other: torch.Tensor, want: int, got: int) -> tuple[float, float]:
-    """At a greedy divergence with identical inputs: the reference's logit gap between its token
-    and the other run's, and the RMS of the two runs' logit difference there. A near-tie when
-    the gap is within TIE_NOISE of that noise."""
-    return float(ref[want] - ref[got]), float((ref - other).pow(2).mean().sqrt())
 
 
 def hf_logits(model: Any, ids: list[int], last: int) -> torch.Tensor:
@@ -318,28 +199,6 @@ SKINNY_FAMILIES = {
     "dot": ((16, 32, 64), dict(block_n=32, block_k=64, dot=True)),
     "dot-split-k": ((16, 32, 64), dict(block_n=32, block_k=64, split_k=2, dot=True)),
 }
-
-
-@contextlib.contextmanager
-def gemv_pinned(path: Path, rows: tuple[int, ...], cfg: Any) -> Iterator[None]:
-    """Every weight of the model at `path` through engine/kernels/gemv.py's `cfg` at these
-    row classes, whatever a tuned table would choose; the table is put back after."""
-    from engine.kernels import gemv as G
-
-    c = json.loads((path / "config.json").read_text())
-    h, heads, kv, d = (c[k] for k in ("hidden_size", "num_attention_heads",
-                                      "num_key_value_heads", "head_dim"))  # fmt: skip
-    inter, vocab = c["intermediate_size"], c["vocab_size"]
-    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter), (vocab, h)]
-    saved = dict(G.TABLE.choices)
-    for n, k in shapes:
-        for r in rows:
-            G.set_choice(n, k, r, cfg)
-    try:
-        yield
-    finally:
-        G.TABLE.choices.clear()
-        G.TABLE.choices.update(saved)
 
 
 @pytest.fixture(params=sorted(SKINNY_FAMILIES))

@@ -2,13 +2,15 @@
 `/server_info`, `/model_info`, `/get_load`, `/health_generate`, `/flush_cache`, `/generate`), and
 the one-command fleet (`engine.server.fleet`) with the real `sglang-router` in front, on the tiny
 random Llama: requests with shared prefixes reach both replicas, and every greedy completion
-equals the same prompt sent to one replica alone.
+equals the same prompt sent to one replica alone. The fleet records itself (`--trace-dir`): a
+trace per replica, which app/fleet_replay.py loads on one clock, every request in it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +21,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server.fleet import Fleet, FleetInfo, free_port
+from app.fleet_replay import FleetRecording
+from engine.server.fleet import Fleet, FleetInfo, build_parser, free_port
 from engine.server.openai_schema import ApiError
 from engine.server.sglang_api import to_completion_body
 
@@ -89,15 +92,20 @@ def test_a_fleet_refuses_settings_it_owns() -> None:
         Fleet(1, [], router_policy="power_of_two")
     with pytest.raises(ValueError, match="at least 1"):
         Fleet(0, [])
+    assert build_parser().parse_args(["--trace-dir", "D"]).trace_dir == Path("D")
+    for one_file in (["--trace", "t.jsonl"], ["--trace=t.jsonl"]):
+        with pytest.raises(ValueError, match="--trace-dir"):
+            Fleet(2, one_file)
 
 
 # -- a live fleet ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fleet(tiny_llama_dir: Path) -> Iterator[FleetInfo]:
+def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetInfo]:
     policy = "cache_aware" if HAS_ROUTER else None
     f = Fleet(
         2, ["--model", str(tiny_llama_dir), "--threads", "1", "--max-running-req", "8"],
         router_policy=policy, gateway_port=free_port(),
+        trace_dir=tmp_path_factory.mktemp("fleet") / "traces",
     )  # fmt: skip
     try:
         yield f.start()
@@ -160,3 +168,23 @@ def test_the_gateway_spreads_shared_prefix_chats_over_both_replicas_with_single_
     assert all(n > 0 for n in per_replica), per_replica  # both replicas took requests
     alone = [complete(fleet.replicas[0].http, p) for p in prompts]
     assert routed == alone
+
+
+def test_the_fleet_records_a_trace_per_replica_on_one_clock(fleet: FleetInfo) -> None:
+    """Last in this module: the traces hold what the tests above sent."""
+    assert fleet.trace_dir is not None
+    traces = [r.trace for r in fleet.replicas]
+    assert traces == [str(Path(fleet.trace_dir) / f"replica-{i}.jsonl") for i in (0, 1)]
+    deadline = time.monotonic() + 30  # a request's last message reaches the trace as it ends
+    while True:
+        served_now = [served(r.http) for r in fleet.replicas]
+        recording = FleetRecording.load(fleet.trace_dir)
+        finished = [s.finished for s in recording.summaries]
+        if finished == served_now or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert finished == served_now and sum(finished) > 0
+    assert recording.numbers == (0, 1) and recording.aligned  # hello.engine.clock_epoch
+    # the replicas started together: one is the fleet clock's origin, the other within a minute
+    assert min(recording.offsets) == 0.0 and max(recording.offsets) < 60
+    assert recording.total.requests == sum(s.requests for s in recording.summaries)

@@ -20,7 +20,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server.openai_schema import ApiError, StopMatcher, parse_request
+from engine.detokenizer import StopMatcher
+from engine.server.openai_schema import ApiError, parse_request
 from tests.server.test_server_support import ServerProcess
 
 MAX_RUNNING = 8
@@ -56,7 +57,7 @@ def stop(server: ApiServer) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path) -> Iterator[ApiServer]:
-    srv = start(tiny_llama_dir)
+    srv = start(tiny_llama_dir, "--metrics-compat", "vllm")
     try:
         yield srv
     finally:
@@ -290,7 +291,7 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="hi", n=2)
+        client.completions.create(model=model, prompt="hi", presence_penalty=0.5)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="hi", temperature=-1)
 
@@ -300,7 +301,11 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": NaN}', 400),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": true}', 400),
         ("/v1/completions", b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400),
-        ("/v1/completions", b'{"prompt": "hi", "logprobs": 3}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "logprobs": 21}', 400),
+        ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 1}', 400),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"1": 5}}', 400),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400),
         ("/v1/completions", b'{"prompt": [], "max_tokens": 1}', 400),
         ("/v1/completions", b'{"prompt": [99999999], "max_tokens": 1}', 400),
         ("/v1/completions", json.dumps({"prompt": "x" * (2**20 + 10)}).encode(), 413),
@@ -318,6 +323,174 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(
 
     out = client.completions.create(model=model, prompt="still here", max_tokens=3)
     assert out.usage.completion_tokens <= 3 and out.choices[0].finish_reason in ("length", "stop")
+
+
+# -- logprobs, echo, n: against the model's own logits (Hugging Face, same weights) ----------
+
+
+def hf_logprobs(model_dir: Path, ids: list[int]) -> Any:
+    """log_softmax of Hugging Face's logits at every position of `ids` (float32)."""
+    import torch
+
+    from tests.helpers import _hf_model
+
+    with torch.no_grad():
+        logits = _hf_model(str(model_dir))(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def tid(token: str) -> int:
+    assert token.startswith("token_id:"), token
+    return int(token.split(":", 1)[1])
+
+
+def check_position(
+    ref: Any, pos: int, token: int, logprob: float, top: dict[str, float], k: int
+) -> None:
+    """The logprob of `token` predicted at `pos`, and the top `k` alternatives beside it (a
+    completion's top dict holds the chosen token plus the top k), are the model's."""
+    assert logprob == pytest.approx(ref[pos, token].item(), abs=2e-3)
+    assert f"token_id:{token}" in top
+    for t in ref[pos].topk(k).indices.tolist():
+        assert f"token_id:{t}" in top
+    for key, value in top.items():
+        assert value == pytest.approx(ref[pos, tid(key)].item(), abs=2e-3)
+
+
+def test_completion_logprobs_echo_and_n_are_the_models(
+    server: ApiServer, client: openai.OpenAI, model: str, tiny_llama_dir: Path
+) -> None:
+    prompt = words(31, 9)
+    prompt_ids = client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    ).choices[0].logprobs.tokens[:-1]  # fmt: skip
+    ids = [tid(t) for t in prompt_ids]
+    out = client.completions.create(
+        model=model, prompt=prompt, max_tokens=5, n=2, echo=True, logprobs=3, temperature=1.0,
+        seed=2**64 - 1, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10
+    outputs = []
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert choice.text.startswith(prompt)  # echo: the prompt's text, then the output
+        assert len(lp.tokens) == len(ids) + 5 and [tid(t) for t in lp.tokens[: len(ids)]] == ids
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        full = [tid(t) for t in lp.tokens]
+        ref = hf_logprobs(tiny_llama_dir, full)
+        for i in range(1, len(full)):  # prompt and output tokens alike
+            assert len(lp.top_logprobs[i]) in (3, 4)
+            check_position(ref, i - 1, full[i], lp.token_logprobs[i], lp.top_logprobs[i], 3)
+        outputs.append(full[len(ids) :])
+    assert outputs[0] != outputs[1]  # seed, seed + 1: two samples, not one twice
+    again = client.completions.create(
+        model=model, prompt=prompt, max_tokens=5, n=2, logprobs=0, temperature=1.0,
+        seed=2**64 - 1, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert [[tid(t) for t in c.logprobs.tokens] for c in again.choices] == outputs
+
+
+def test_chat_logprobs_and_n_are_the_models(
+    server: ApiServer, client: openai.OpenAI, model: str, tiny_llama_dir: Path
+) -> None:
+    messages = [{"role": "user", "content": words(32, 6)}]
+    out = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, n=2, logprobs=True, top_logprobs=2,
+        temperature=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
+    assert out.usage.prompt_tokens == len(prompt)
+    got = []
+    for choice in out.choices:
+        content = choice.logprobs.content
+        assert len(content) == 4
+        full = prompt + [tid(e.token) for e in content]
+        ref = hf_logprobs(tiny_llama_dir, full)
+        for i, e in enumerate(content):
+            pos = len(prompt) + i - 1
+            assert e.logprob == pytest.approx(ref[pos, full[pos + 1]].item(), abs=2e-3)
+            assert [tid(t.token) for t in e.top_logprobs] == ref[pos].topk(2).indices.tolist()
+            assert e.bytes == list(e.token.encode())
+        got.append(full[len(prompt) :])
+    assert got[0] == got[1]  # greedy, twice
+
+
+def test_streamed_logprobs_are_the_whole_responses(
+    server: ApiServer, client: openai.OpenAI, model: str
+) -> None:
+    prompt = words(33, 7)
+    kw: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": 6, "logprobs": 2,
+                          "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**kw).choices[0]
+    tokens, lps, offsets, text = [], [], [], ""
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.text
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+
+
+def test_batched_prompts_and_n_stream_every_choice_by_index(
+    server: ApiServer, client: openai.OpenAI, model: str
+) -> None:
+    prompts = [words(35, 5), words(36, 9)]
+    kw: dict[str, Any] = {"model": model, "max_tokens": 5, "temperature": 0,
+                          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    whole = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert whole.usage.completion_tokens == 20
+    texts = ["", "", "", ""]
+    reasons: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert texts == [c.text for c in whole.choices]
+    assert reasons == {0: "length", 1: "length", 2: "length", 3: "length"}
+    # echo without logprobs: the prompt's text, then the output
+    echoed = client.completions.create(prompt=prompts[0], echo=True, **kw).choices[0].text
+    assert echoed == prompts[0] + alone[0]
+
+
+def test_defaults_min_p_seed_and_stop_strings(
+    server: ApiServer, client: openai.OpenAI, model: str
+) -> None:
+    prompt = words(34, 8)
+    # max_tokens left out: 16 on /v1/completions, as OpenAI's and vLLM's
+    out = client.completions.create(model=model, prompt=prompt, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    # min_p = 1 keeps only the likeliest token: sampling at any temperature is greedy
+    only_top = client.completions.create(
+        model=model, prompt=prompt, max_tokens=8, temperature=1.5, seed=-(2**63),
+        extra_body={"ignore_eos": True, "min_p": 1.0},
+    )  # fmt: skip
+    assert only_top.choices[0].text == greedy.choices[0].text
+    text = greedy.choices[0].text
+    stop = text[len(text) // 2 :][:3]
+    assert stop.strip()
+    for include in (False, True):
+        cut = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
+            extra_body={"ignore_eos": True, "include_stop_str_in_output": include},
+        )  # fmt: skip
+        want = text[: text.index(stop) + (len(stop) if include else 0)]
+        assert cut.choices[0].text == want and cut.choices[0].finish_reason == "stop"
 
 
 # -- disconnects ----------------------------------------------------------------------------
@@ -361,12 +534,13 @@ def assert_idle(server: ApiServer, timeout: float = 60.0, **client: Any) -> dict
         deadline = time.monotonic() + timeout
         while True:
             stats = c.stats()
-            idle = stats["queue"] == {"waiting": 0, "running": 0} and stats["kv"]["used"] == 0
+            queue = (stats["queue"]["waiting"], stats["queue"]["running"])
+            idle = queue == (0, 0) and stats["kv"]["used"] == 0
             if idle or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert stats["integrity"] == "ok", stats
-        assert stats["queue"] == {"waiting": 0, "running": 0}, stats
+        assert queue == (0, 0), stats
         assert stats["kv"]["used"] == 0, stats
         return stats
     finally:
@@ -455,6 +629,16 @@ def test_metrics_count_what_the_clients_received(
     assert after["stepscope:num_preemptions_total{}"] == 0
     assert after["stepscope:kv_cache_usage_perc{}"] == 0
     assert "stepscope:decode_stall_seconds_count{}" in after
+    # --metrics-compat vllm: the same figures under vLLM's names, labels and buckets
+    for name in ("generation_tokens_total{}", "prompt_tokens_total{}",
+                 "request_success_total{finished_reason=length}",
+                 "time_to_first_token_seconds_count{}", "request_prefill_time_seconds_count{}",
+                 "request_decode_time_seconds_count{}", "request_prompt_tokens_count{}"):  # fmt: skip
+        vllm = "vllm:" + name.replace("{", "{engine=0,", 1).replace(",}", "}")
+        assert after[vllm] == after["stepscope:" + name], name
+    assert delta("vllm:request_generation_tokens_sum{engine=0}") == received
+    assert delta("http_requests_total{handler=/v1/completions,method=POST,status=2xx}") == 4
+    assert delta("http_request_duration_seconds_count{handler=/v1/completions,method=POST}") == 4
 
 
 # -- safety: token and origins --------------------------------------------------------------
@@ -517,6 +701,10 @@ def test_a_token_is_required_when_set_and_browsers_need_a_local_origin(
     assert status == 403
     status, _ = raw(srv, "GET", "/metrics", headers={**auth, "Origin": "http://localhost:8501"})
     assert status == 200
+    # a token on /v1 only: /metrics is scraped without it, as vLLM's --api-key guards only /v1
+    samples = scrape(srv)
+    assert samples["stepscope:num_requests_running{}"] == 0
+    assert not any(name.startswith("vllm:") for name in samples)  # no compat switch here
 
 
 class StdoutKept(ServerProcess):
@@ -560,8 +748,26 @@ def test_parse_accepts_what_common_clients_send() -> None:
     assert (
         parse_request({"prompt": ["only one"], "max_tokens": 16.0}, "completion").max_tokens == 16
     )
-    assert parse_request({"prompt": [1, 2, 3]}, "completion").prompt == [1, 2, 3]
-    assert parse_request({"prompt": "p"}, "completion").max_tokens is None
+    assert parse_request({"prompt": [1, 2, 3]}, "completion").prompts == ([1, 2, 3],)
+    assert parse_request({"prompt": "p"}, "completion").max_tokens is None  # the endpoint's
+    batch = parse_request(
+        b'{"prompt": [[1, 2], [3]], "n": 2, "seed": -9223372036854775808, "logprobs": 2, '
+        b'"echo": true, "min_p": 0.1, "include_stop_str_in_output": true}',
+        "completion",
+    )
+    assert (batch.prompts, batch.n, batch.choices, batch.logprobs) == (([1, 2], [3]), 2, 4, 2)
+    assert batch.echo and batch.include_stop_str and batch.min_p == 0.1
+    chat = parse_request(
+        {"messages": [{"role": "user", "content": "q"}], "logprobs": True, "top_logprobs": 3,
+         "chat_template_kwargs": {"enable_thinking": False}, "skip_special_tokens": False,
+         "stream": True, "stream_options": {}},
+        "chat",
+    )  # fmt: skip
+    assert chat.logprobs == 3 and chat.chat_template_kwargs == {"enable_thinking": False}
+    assert not chat.skip_special_tokens
+    assert chat.include_usage  # stream_options without include_usage: on, as vLLM's default
+    assert parse_request({"messages": [{"role": "user", "content": "q"}], "logprobs": True},
+                         "chat").logprobs == 0  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -572,14 +778,25 @@ def test_parse_accepts_what_common_clients_send() -> None:
         {"prompt": "p", "temperature": "hot"},
         {"prompt": "p", "top_p": 0},
         {"prompt": "p", "top_k": -2},
-        {"prompt": "p", "n": 2},
-        {"prompt": "p", "echo": True},
-        {"prompt": "p", "seed": -1},
+        {"prompt": "p", "n": 0},
+        {"prompt": "p", "best_of": 2},
+        {"prompt": "p", "seed": 2**64},
+        {"prompt": "p", "seed": True},
+        {"prompt": "p", "min_p": 1.5},
+        {"prompt": "p", "logprobs": -1},
         {"prompt": "p", "stop": [1]},
+        {"prompt": "p", "stop": ["s"] * 17},
         {"prompt": "p", "stream": "yes"},
-        {"prompt": ["a", "b"]},
+        {"prompt": ["a", ""]},
+        {"prompt": [[]]},
+        {"prompt": [True]},
         {"prompt": ""},
         {"prompt": "p", "model": 3},
+        {"prompt": "p", "frequency_penalty": 1},
+        {"prompt": "p", "prompt_logprobs": 0},
+        {"prompt": "p", "add_special_tokens": False},
+        {"prompt": "p", "bad_words": ["x"]},
+        {"prompt": "p", "truncate_prompt_tokens": 4},
     ],
 )
 def test_parse_refuses_bad_fields(body: dict[str, Any]) -> None:
@@ -597,3 +814,27 @@ def test_stop_matcher_holds_back_what_may_start_a_stop_string() -> None:
     assert "".join(m.push(p) for p in ["ab", "cz"]) + m.flush() == "abcz" and not m.stopped
     m = StopMatcher(())
     assert [m.push("a"), m.push("b")] == ["a", "b"]
+    m = StopMatcher(("ND", "END"), include_stop=True)  # the earliest start wins, kept in the text
+    assert "".join(m.push(p) for p in ["xE", "ND", "more"]) + m.flush() == "xEND" and m.stopped
+
+
+def test_metrics_has_its_own_token_and_is_open_without_one() -> None:
+    from starlette.responses import PlainTextResponse
+    from starlette.testclient import TestClient
+
+    from engine.server.openai_api import HttpConfig
+    from engine.server.openai_app import _Guard
+
+    ok = PlainTextResponse("ok")
+
+    def status(config: HttpConfig, path: str, token: str | None = None) -> int:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        return TestClient(_Guard(ok, config)).get(path, headers=headers).status_code
+
+    v1_only = HttpConfig(token="api")  # as vLLM's --api-key: /v1 only
+    assert status(v1_only, "/metrics") == 200
+    assert status(v1_only, "/v1/models") == 401 and status(v1_only, "/v1/models", "api") == 200
+    both = HttpConfig(token="api", metrics_token="scrape")
+    assert status(both, "/metrics") == 401 and status(both, "/metrics", "api") == 401
+    assert status(both, "/metrics", "scrape") == 200
+    assert status(both, "/v1/models", "scrape") == 401

@@ -137,7 +137,7 @@ def test_hello_lets_a_late_client_redraw_the_past(server: ServerProcess) -> None
     assert engine["vocab_size"] == 49152 and engine["max_frame_bytes"] == 2**20
     assert engine["max_running_req"] == MAX_RUNNING and hello["protocol"] == 1
     assert engine["overlap"] is server.overlap  # type: ignore[attr-defined]
-    assert set(hello["config"]) == {"max_extend_tokens", "policy"}
+    assert set(hello["config"]) == {"max_extend_tokens", "policy", "admission"}
     assert hello["now"] >= max(m["t"] for m in ended.values())
     steps_seen = [m for m in early.seen if m["type"] == "step"]
     history = hello["history"]["steps"]
@@ -196,7 +196,8 @@ def test_abort_mid_chunk_returns_kv_to_idle(server: ServerProcess) -> None:
     assert (kv["used"], kv["reserved"]) == (0, 0)
     assert kv["total"] == idle["kv"]["total"] and kv["cached"] >= idle["kv"]["cached"]
     assert kv["used"] + kv["cached"] + kv["free"] == kv["total"]
-    assert after["queue"] == {"waiting": 0, "running": 0} and after["integrity"] == "ok"
+    assert after["queue"] == {"waiting": 0, "running": 0, "waiting_reason": None}
+    assert after["integrity"] == "ok"
     for cid in ("again", None):  # already ended, and never existed
         c.send({"type": "abort", "id": cid, "uid": uid if cid else 10**9})
         err = c.until(lambda m: m["type"] == "error")

@@ -1,0 +1,258 @@
+"""The HTTP path against the engine alone: decode tok/s and ITL at 1, 16, 64 and 256 streams.
+
+    python scripts/bench_http.py --model tiny --prompt-len 64 --output-len 64 --streams 1,16,64
+    # the H200 table of issue 27 (Qwen3-0.6B's shape, random weights):
+    python scripts/bench_http.py --model assets/qwen3-0.6b --load-format dummy --device cuda \
+        --policy mixed --budget 8192 --prompt-len 512 --output-len 256 --streams 1,16,64,256
+
+`--hot-path` times only the HTTP side's Python per token (router, streams, SSE bytes).
+
+For each stream count N, the same N requests (random prompts of --prompt-len tokens, --output-len
+tokens each, ignore_eos) run twice:
+
+- **engine alone**: through `LLM` in this process. Its decode rate is N / the median step time
+  of the decode steps that held all N requests.
+- **through HTTP**: `python -m engine.server` in a subprocess, with N streamed `/v1/completions`
+  from a stdlib asyncio client (raw sockets, server-sent events read as they come). Its decode
+  rate counts the tokens the clients received while all N streams were decoding (from the last
+  stream's first token to the first stream's last), over that window. ITL is the gap between
+  one stream's consecutive token chunks as the client saw them.
+
+The table gives both rates, their ratio, and the HTTP ITL p50 / p99 beside the engine step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from instrumentation.metrics import percentile  # noqa: E402
+
+
+@dataclass
+class Result:
+    streams: int
+    engine_step_s: float = 0.0
+    engine_tok_s: float = 0.0
+    http_tok_s: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def model_path(name: str, tmp: Path) -> str:
+    if name != "tiny":
+        return name
+    from engine.models.loader import resolve
+    from engine.checks import make_tiny
+
+    return str(make_tiny("llama", tmp / "tiny", resolve("smollm2", progress=False).path))
+
+
+def engine_args(args: argparse.Namespace, model: str, running: int) -> dict[str, Any]:
+    return dict(model=model, device=args.device, dtype=args.dtype, policy=args.policy,
+                max_extend_tokens=args.budget, max_running_req=running,
+                load_format=args.load_format, max_seq_len=args.prompt_len + args.output_len + 16)  # fmt: skip
+
+
+def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab: int) -> dict:
+    """N / the median step of decode steps that held all N requests, per stream count."""
+    from engine import LLM
+    from instrumentation.sampling import SamplingParams
+
+    llm = LLM(**engine_args(args, model, max(counts)), progress=False)
+    steps: list[Any] = []
+    llm.add_step_hook(steps.append)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([prompts(1, 8, vocab, 99)[0]], SamplingParams(max_tokens=4))  # warm-up
+    out = {}
+    for n in counts:
+        steps.clear()
+        llm.generate(prompts(n, args.prompt_len, vocab, n), [params] * n)
+        full = [s.t1 - s.t0 for s in steps if s.phase == "decode" and len(s.items) == n]
+        step = statistics.median(full) if full else float("nan")
+        out[n] = (step, n / step)
+    if hasattr(llm, "close"):
+        llm.close()
+    return out
+
+
+def start_server(args: argparse.Namespace, model: str, running: int) -> tuple[Any, str]:
+    cmd = [sys.executable, "-m", "engine.server", "--model", model, "--port", "0",
+           "--http-port", "0", "--device", args.device, "--policy", args.policy,
+           "--max-extend-tokens", str(args.budget), "--max-running-req", str(running),
+           "--max-seq-len", str(args.prompt_len + args.output_len + 16),
+           "--load-format", args.load_format, "--max-waiting", str(max(1024, running))]  # fmt: skip
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    url = ""
+    while not url:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the server exited before it was ready")
+        if line.startswith("stepscope HTTP API at "):
+            url = line.split(" at ", 1)[1].strip()
+    return proc, url
+
+
+async def stream_one(host: str, port: int, ids: list[int], n_out: int) -> list[float]:
+    """One streamed completion; the receive time of each token chunk."""
+    reader, writer = await asyncio.open_connection(host, port)
+    body = json.dumps({"prompt": ids, "max_tokens": n_out, "stream": True, "ignore_eos": True,
+                       "temperature": 0}).encode()  # fmt: skip
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)  # fmt: skip
+    await writer.drain()
+    times: list[float] = []
+    buf = b""
+    while True:
+        chunk = await reader.read(65536)
+        if not chunk:
+            break
+        now = time.perf_counter()
+        buf += chunk
+        *events, buf = buf.split(b"\n\n")
+        for ev in events:
+            if b'"text":' in ev and b'"finish_reason":null' in ev:
+                times.append(now)
+        if any(ev.endswith(b"data: [DONE]") for ev in events):
+            break
+    writer.close()
+    return times
+
+
+async def http_run(url: str, n: int, args: argparse.Namespace, vocab: int) -> tuple[float, list]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    ps = prompts(n, args.prompt_len, vocab, n)
+    runs = await asyncio.gather(*(stream_one(host, int(port), p, args.output_len) for p in ps))
+    start = max(t[0] for t in runs if t)  # every stream is decoding from here ...
+    end = min(t[-1] for t in runs if t)  # ... to here
+    in_window = sum(1 for t in runs for x in t if start < x <= end)
+    itl = [b - a for t in runs for a, b in zip(t, t[1:], strict=False)]
+    return (in_window / (end - start) if end > start else float("nan")), itl
+
+
+def hot_path(streams: int = 64, tokens: int = 200) -> float:
+    """CPU seconds per token of the HTTP side alone (router, streams, choices, SSE bytes), fed
+    one step's token per stream at a time as the publisher would: no engine, no sockets."""
+    from types import SimpleNamespace
+
+    from engine.server.openai_api import Choice, Generation, Router, Stream
+    from engine.server.openai_app import Endpoints
+    from engine.server.openai_response import ResponseHead
+    from engine.server.openai_schema import parse_request
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        router = Router()
+        api = SimpleNamespace(router=router, stop_request=None, abort=None)
+        ep = Endpoints.__new__(Endpoints)
+        ep.api = api  # type: ignore[assignment]
+        req = parse_request({"prompt": "p", "stream": True, "max_tokens": tokens}, "completion")
+        tasks = []
+        for uid in range(streams):
+            stream = Stream(loop)
+            router.register(uid, stream)
+            gen = Generation(api, stream, [Choice(0, uid, [1], None, req)], 1)  # type: ignore[arg-type]
+            head = ResponseHead(f"cmpl-{uid}", "m", "completion")
+
+            async def drain(g: Generation = gen, h: ResponseHead = head) -> None:
+                async for _ in ep._events(g, h, req):
+                    pass
+
+            tasks.append(asyncio.create_task(drain()))
+        await asyncio.sleep(0)
+        t0 = time.process_time()
+        for _ in range(tokens):
+            for uid in range(streams):
+                router.sink({"type": "token", "uid": uid, "t": 1.0, "token_id": 5, "text": " w"})
+            for _ in range(2):
+                await asyncio.sleep(0)
+        for uid in range(streams):
+            router.sink({"type": "request", "uid": uid, "event": "finished", "t": 2.0,
+                         "finish_reason": "length"})  # fmt: skip
+        await asyncio.gather(*tasks)
+        return (time.process_time() - t0) / (streams * tokens)
+
+    return asyncio.run(run())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a directory or a hub id")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--policy", default="mixed")
+    p.add_argument("--budget", type=int, default=8192)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--streams", default="1,16,64")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--hot-path",
+        action="store_true",
+        help="only the HTTP side's CPU per token at 64 streams (no engine, no sockets)",
+    )
+    args = p.parse_args()
+    if args.hot_path:
+        runs = sorted(hot_path() for _ in range(5))
+        print(f"HTTP side, 64 streams: {runs[2] * 1e6:.1f} us CPU per token (median of 5)")
+        return 0
+    counts = [int(x) for x in args.streams.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model_path(args.model, Path(tmp))
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        from engine.models.loader import read_config, resolve
+
+        vocab = read_config(resolve(model, progress=False).path)[0].vocab_size
+        alone = engine_alone(args, model, counts, vocab)
+        proc, url = start_server(args, model, max(counts))
+        try:
+            asyncio.run(http_run(url, 1, args, vocab))  # warm-up
+            results = []
+            for n in counts:
+                tok_s, itl = asyncio.run(http_run(url, n, args, vocab))
+                step, eng = alone[n]
+                results.append(Result(n, step, eng, tok_s, itl))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(f"model {args.model} on {args.device}, prompt {args.prompt_len}, output {args.output_len}"
+          f", policy {args.policy}, budget {args.budget}")  # fmt: skip
+    print("| streams | engine step | engine tok/s | HTTP tok/s | HTTP/engine | ITL p50 | ITL p99 "
+          "| p99 / step |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for r in results:
+        p50, p99 = percentile(r.itl, 50) or 0.0, percentile(r.itl, 99) or 0.0
+        print(f"| {r.streams} | {r.engine_step_s * 1e3:.2f} ms | {r.engine_tok_s:,.0f} | "
+              f"{r.http_tok_s:,.0f} | {r.http_tok_s / r.engine_tok_s:.2f} | {p50 * 1e3:.2f} ms | "
+              f"{p99 * 1e3:.2f} ms | {p99 / r.engine_step_s:.1f} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
