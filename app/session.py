@@ -87,6 +87,7 @@ FACTS_CURSOR = Field["int | None"]("facts_cursor")
 CONTROLS_WAITING = Field[bool]("controls_waiting", False)  # drawn without the engine's config
 FULL_RUN = Field[bool]("full_run", False)  # a full page run is under way (not a fragment's)
 FULL_RUN_END = Field[float]("full_run_end", 0.0)  # when the last full run ended (monotonic s)
+TICKS_SINCE_FULL_RUN = Field[int]("ticks_since_full_run", 0)  # fragment checks since then
 # the prompt form's widgets
 PROMPT_TEXT = Field[str]("prompt_text", "")
 MAX_TOKENS = Field[int]("max_tokens", 64)

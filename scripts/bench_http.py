@@ -59,8 +59,8 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def model_path(name: str, tmp: Path) -> str:
     if name != "tiny":
         return name
-    from engine.models.loader import resolve
     from engine.checks import make_tiny
+    from engine.models.loader import resolve
 
     return str(make_tiny("llama", tmp / "tiny", resolve("smollm2", progress=False).path))
 
