@@ -23,139 +23,30 @@ across machines: both rates fall together when other processes share the CPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
-import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]  # fmt: skip
+sys.path.insert(0, str(ROOT))
+
+from engine.checks.browser import (  # noqa: E402
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    Workload,
+    running_app,
+    running_engine,
+)
+
 LIVE = ".stepscope-live"
 
 
 def say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(15)
-
-
-@contextlib.contextmanager
-def engine(model: str, flags: list[str], root: Path) -> Iterator[str]:
-    argv = [sys.executable, "-m", "engine.server", "--port", "0", "--http-port", "none"]
-    argv += ["--model", model, "--device", "cpu", *flags]
-    proc = subprocess.Popen(
-        argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        url = None
-        for line in proc.stdout:
-            if "ready at ws://" in line:
-                url = line[line.index("ws://") :].strip()
-                break
-        if not url:
-            raise RuntimeError("the engine exited before it was ready")
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        yield url
-    finally:
-        _stop(proc)
-
-
-@contextlib.contextmanager
-def app(engine_url: str, root: Path) -> Iterator[str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "STEPSCOPE_TRACE"}
-    env |= {"STEPSCOPE_URL": engine_url, "STEPSCOPE_AUTOSTART": "0", "PYTHONPATH": str(root)}
-    argv = [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true",
-            "--server.port", str(port), "--browser.gatherUsageStats", "false"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health") as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        _stop(proc)
-
-
-class Workload:
-    """Keeps `n` greedy requests decoding and counts the engine's steps."""
-
-    def __init__(self, url: str, n: int, max_tokens: int) -> None:
-        self.url, self.n, self.max_tokens = url, n, max_tokens
-        self.steps = 0
-        self.decoding = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Workload:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _submit(self, ws: object, k: int) -> None:
-        ids = [(7919 * (k + 1) * (j + 3)) % 40000 + 3 for j in range(24)]
-        cmd = {"type": "submit", "id": f"b{k}", "input_ids": ids, "max_tokens": self.max_tokens,
-               "ignore_eos": True}  # fmt: skip
-        ws.send(json.dumps(cmd))  # type: ignore[attr-defined]
-
-    def _run(self) -> None:
-        from websockets.sync.client import connect
-
-        with connect(self.url, max_size=2**27) as ws:
-            ws.recv()  # hello
-            sent = 0
-            for _ in range(self.n):
-                self._submit(ws, sent)
-                sent += 1
-            while not self._stop.is_set():
-                try:
-                    msg = json.loads(ws.recv(timeout=1))
-                except TimeoutError:
-                    continue
-                if msg.get("type") == "step":
-                    self.steps += 1
-                    self.decoding = sum(1 for i in msg.get("items", ()) if i["kind"] == "decode")
-                elif msg.get("type") == "request" and msg.get("event") == "finished":
-                    self._submit(ws, sent)
-                    sent += 1
 
 
 @dataclass
@@ -233,8 +124,8 @@ def main() -> int:
     flags = ["--max-running-req", str(max(args.requests, 16)), *args.engine_args.split()]
     results: list[Result] = []
     with (
-        engine(args.model, flags, args.root) as url,
-        app(url, args.root) as page_url,
+        running_engine(args.model, *flags, root=args.root) as url,
+        running_app(url, root=args.root, PYTHONPATH=str(args.root)) as page_url,
         Workload(url, args.requests, args.max_tokens) as load,
         sync_playwright() as pw,
     ):

@@ -9,31 +9,20 @@ keep rerunning. `running_engine` and `running_app` serve the other browser tests
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from engine.checks.browser import (  # noqa: F401 (the browser tests import them from here)
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    ROOT,
+    free_port,
+    running_app,
+    running_engine,
+)
+from engine.checks.browser import stop_process as _stop  # noqa: F401
 
 pytestmark = [
     pytest.mark.browser,
@@ -41,71 +30,6 @@ pytestmark = [
         not CHROMIUM.exists(), reason="Debian's chromium is not installed at /usr/bin/chromium"
     ),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(15)
-
-
-@contextlib.contextmanager
-def running_engine(model_dir: Path, *flags: str, port: int = 0) -> Iterator[str]:
-    """`python -m engine.server` on the given model; yields its URL once it is ready."""
-    argv = [sys.executable, "-m", "engine.server", "--port", str(port), "--model", str(model_dir)]
-    argv += ["--http-port", "0", "--device", "cpu", *flags]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        url = None
-        for line in proc.stdout:  # loading progress, then one line with the URL
-            if "ready at ws://" in line:
-                url = line[line.index("ws://") :].strip()
-                break
-        assert url, "the engine exited before it was ready"
-        # keep reading, so the engine never blocks on a full pipe
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        yield url
-    finally:
-        _stop(proc)
-
-
-@contextlib.contextmanager
-def running_app(engine_url: str, **env: str) -> Iterator[str]:
-    """`streamlit run app/main.py` on a free port, watching `engine_url`; yields the page URL."""
-    port = free_port()
-    inherited = {k: v for k, v in os.environ.items() if k != "STEPSCOPE_TRACE"}  # no recording
-    env = {**inherited, "STEPSCOPE_URL": engine_url, "STEPSCOPE_AUTOSTART": "0", **env}
-    argv = [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true"]
-    argv += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health") as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture

@@ -23,13 +23,13 @@ import json
 import os
 import random
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from engine.checks.browser import Workload  # noqa: F401 (the fleet test imports it here)
 from tests.app.browser_floor import FLOOR_JS
 from tests.app.test_browser import (
     CHROMIUM,
@@ -74,50 +74,6 @@ def updates(page: object) -> int:
 # ---- a busy engine: 64 requests in flight, always -------------------------------------------
 
 
-class Workload:
-    """A protocol client that keeps `n` greedy requests in flight (a new one per ended one)."""
-
-    def __init__(self, url: str, n: int, max_tokens: int, seed: int = 0) -> None:
-        self.url, self.n, self.max_tokens = url, n, max_tokens
-        self.rng = random.Random(seed)
-        self.steps = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Workload:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _submit(self, ws: object, k: int) -> None:
-        ids = [self.rng.randrange(3, 40000) for _ in range(self.rng.randint(8, 40))]
-        cmd = {"type": "submit", "id": f"w{k}", "input_ids": ids, "max_tokens": self.max_tokens}
-        ws.send(json.dumps(cmd | {"ignore_eos": True}))  # type: ignore[attr-defined]
-
-    def _run(self) -> None:
-        from websockets.sync.client import connect
-
-        with connect(self.url, max_size=2**27) as ws:
-            ws.recv()  # hello
-            sent = 0
-            for _ in range(self.n):
-                self._submit(ws, sent)
-                sent += 1
-            while not self._stop.is_set():
-                try:
-                    msg = json.loads(ws.recv(timeout=1))
-                except TimeoutError:
-                    continue
-                if msg.get("type") == "step":
-                    self.steps += 1
-                elif msg.get("type") == "request" and msg.get("event") == "finished":
-                    self._submit(ws, sent)
-                    sent += 1
-
-
 @contextlib.contextmanager
 def browser_page(url: str) -> Iterator[tuple[object, object]]:
     with sync_api.sync_playwright() as pw:
@@ -156,7 +112,6 @@ class FrameMeter:
         t1 = time.monotonic()
         got = [f for f in self.frames if t0 <= f[0] < t1]
         return sum(f[1] for f in got) / (t1 - t0), sum(f[2] for f in got) / (t1 - t0)
-
 
 
 # Counts the redraws that drew new steps: each change of the charts' last step.

@@ -1,0 +1,146 @@
+"""What the browser tests and the page benchmark share (scripts never import the tests): a
+`python -m engine.server` and a `streamlit run app/main.py` started on free ports and stopped
+again, Debian's chromium and its flags, and a protocol client that keeps requests decoding."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(15)
+
+
+@contextlib.contextmanager
+def running_engine(
+    model_dir: Path | str, *flags: str, port: int = 0, root: Path = ROOT
+) -> Iterator[str]:
+    """`python -m engine.server` on the given model; yields its URL once it is ready."""
+    argv = [sys.executable, "-m", "engine.server", "--port", str(port), "--model", str(model_dir)]
+    argv += ["--http-port", "0", "--device", "cpu", *flags]
+    proc = subprocess.Popen(
+        argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:  # loading progress, then one line with the URL
+            if "ready at ws://" in line:
+                url = line[line.index("ws://") :].strip()
+                break
+        if not url:
+            raise RuntimeError("the engine exited before it was ready")
+        # keep reading, so the engine never blocks on a full pipe
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        yield url
+    finally:
+        stop_process(proc)
+
+
+@contextlib.contextmanager
+def running_app(engine_url: str, root: Path = ROOT, **env: str) -> Iterator[str]:
+    """`streamlit run app/main.py` on a free port, watching `engine_url`; yields the page URL."""
+    port = free_port()
+    inherited = {k: v for k, v in os.environ.items() if k != "STEPSCOPE_TRACE"}  # no recording
+    env = {**inherited, "STEPSCOPE_URL": engine_url, "STEPSCOPE_AUTOSTART": "0", **env}
+    argv = [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true"]
+    argv += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
+    proc = subprocess.Popen(
+        argv, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health") as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+class Workload:
+    """A protocol client that keeps `n` greedy requests in flight (a new one per ended one);
+    `steps` counts the engine's steps, `decoding` the decodes of the last one."""
+
+    def __init__(self, url: str, n: int, max_tokens: int, seed: int = 0) -> None:
+        self.url, self.n, self.max_tokens = url, n, max_tokens
+        self.rng = random.Random(seed)
+        self.steps = 0
+        self.decoding = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Workload:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _submit(self, ws: object, k: int) -> None:
+        ids = [self.rng.randrange(3, 40000) for _ in range(self.rng.randint(8, 40))]
+        cmd = {"type": "submit", "id": f"w{k}", "input_ids": ids, "max_tokens": self.max_tokens}
+        ws.send(json.dumps(cmd | {"ignore_eos": True}))  # type: ignore[attr-defined]
+
+    def _run(self) -> None:
+        from websockets.sync.client import connect
+
+        with connect(self.url, max_size=2**27) as ws:
+            ws.recv()  # hello
+            sent = 0
+            for _ in range(self.n):
+                self._submit(ws, sent)
+                sent += 1
+            while not self._stop.is_set():
+                try:
+                    msg = json.loads(ws.recv(timeout=1))
+                except TimeoutError:
+                    continue
+                if msg.get("type") == "step":
+                    self.steps += 1
+                    self.decoding = sum(1 for i in msg.get("items", ()) if i["kind"] == "decode")
+                elif msg.get("type") == "request" and msg.get("event") == "finished":
+                    self._submit(ws, sent)
+                    sent += 1
