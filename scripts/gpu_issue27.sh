@@ -82,7 +82,7 @@ nproc
 
 if has jit && [ "$DEVICE" = cuda ]; then
   section "FlashInfer JIT warm-up"
-  timeout 300 $PY - "$MODEL" <<'EOF'
+  timeout 240 $PY - "$MODEL" <<'EOF'
 import sys, time
 from engine import LLM, SamplingParams
 t = time.perf_counter()
@@ -96,7 +96,7 @@ fi
 
 if has http; then
   section "bench_http: engine alone against HTTP"
-  timeout 420 $PY scripts/bench_http.py --model "$MODEL" "${LOAD[@]}" --device "$DEVICE" \
+  timeout 300 $PY scripts/bench_http.py --model "$MODEL" "${LOAD[@]}" --device "$DEVICE" \
     --policy mixed --budget 8192 --prompt-len "$PROMPT" --output-len "$OUTPUT" \
     --streams "$STREAMS" "${BASE[@]}"
 fi
@@ -105,7 +105,7 @@ if has overhead; then
   for clients in "1" "8 --metrics-every 1"; do
     section "bench_server overhead, clients $clients"
     # shellcheck disable=SC2086
-    timeout 240 $PY scripts/bench_server.py overhead --model "$MODEL" "${LOAD[@]}" \
+    timeout 150 $PY scripts/bench_server.py overhead --model "$MODEL" "${LOAD[@]}" \
       --device "$DEVICE" --policy mixed --budget 8192 --max-running "$RUNNING" \
       --lengths "${PROMPT}x$RUNNING" --max-tokens "$OUTPUT" --clients $clients
   done
