@@ -179,7 +179,8 @@ def hot_path(streams: int = 64, tokens: int = 200) -> float:
         tasks = []
         for uid in range(streams):
             stream = Stream(loop)
-            router.register(uid, stream)
+            router.expect()  # as a submit does, until its reply names the uid
+            router.register([uid], stream)
             gen = Generation(api, stream, [Choice(0, uid, [1], None, req)], 1)  # type: ignore[arg-type]
             head = ResponseHead(f"cmpl-{uid}", "m", "completion")
 
