@@ -4,14 +4,14 @@ num_pages) resolved against the model and the device's memory."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.attention.registry import create_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineInfo
 from engine.kvcache.manager import KVManager, pages_for
 from engine.kvcache.naive import NaiveCache
 from engine.kvcache.pool import KVPool
@@ -32,30 +32,6 @@ if TYPE_CHECKING:
 CPU_KV_BYTES = 1 << 30  # default KV budget on CPU; on CUDA most of the free memory
 CUDA_KV_FRACTION = 0.8  # of the free memory after the weights are loaded
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """Facts that do not change while the engine runs (the protocol's `hello.engine`)."""
-
-    model: str
-    device: str
-    dtype: str
-    vocab_size: int
-    page_size: int
-    num_pages: int
-    max_running_req: int
-    max_seq_len: int
-    cache_type: str
-    attention_backend: str
-    architecture: str
-    overlap: bool
-    residual_dtype: str
-    batch_invariant: bool
-    tp_size: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

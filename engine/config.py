@@ -13,7 +13,7 @@ import argparse
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, TypeVar
 
 from instrumentation.errors import InvalidRequest
@@ -297,3 +297,27 @@ def from_args(cls: type[C], args: argparse.Namespace) -> C:
             v = getattr(args, f.name)
             values[f.name] = tuple(v or ()) if isinstance(f.default, tuple) else v
     return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Facts that do not change while the engine runs (the protocol's `hello.engine`)."""
+
+    model: str
+    device: str
+    dtype: str
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    max_running_req: int
+    max_seq_len: int
+    cache_type: str
+    attention_backend: str
+    architecture: str
+    overlap: bool
+    residual_dtype: str
+    batch_invariant: bool
+    tp_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -21,12 +21,20 @@ from typing import Any
 
 import torch
 
-from engine.build import EngineInfo, build_engine
-from engine.config import EngineConfig, LiveConfig, check_admission, check_budget, check_policy
-from engine.kvcache.manager import KVSnapshot, pages_for
+from engine.build import build_engine
+from engine.config import (
+    EngineConfig,
+    EngineInfo,
+    LiveConfig,
+    check_admission,
+    check_budget,
+    check_policy,
+)
+from engine.kvcache.manager import KVSnapshot
+from engine.prompts import check_fits, encode_prompt
 from engine.request import RequestState
 from engine.step import Command, Hooks, StepPipeline, prompt_logprobs
-from instrumentation.errors import InvalidRequest, NotFound, TooLarge
+from instrumentation.errors import InvalidRequest, NotFound
 from instrumentation.records import EngineEvent, KVStats, QueueStats, StepRecord
 from instrumentation.sampling import SamplingParams
 
@@ -183,46 +191,13 @@ class LLM:
 
     # -- commands (any thread) -----------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise InvalidRequest("the prompt is empty")
-            if chat:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-                return list(self.tokenizer.encode(text, add_special_tokens=False))
-            return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
-            raise InvalidRequest(
-                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if chat:
-            raise InvalidRequest("chat=True needs a text prompt, not token ids")
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequest(f"token ids must be integers in [0, {vocab}), got {t!r}")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size, chat)
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        total = prompt_len + max_tokens
-        if total > self.max_seq_len:
-            raise TooLarge(
-                f"{prompt_len} prompt tokens plus max_tokens={max_tokens} is {total} tokens, "
-                f"beyond max_seq_len={self.max_seq_len}"
-            )
-        need = pages_for(total, self.page_size)
-        if need > self.num_pages:
-            raise TooLarge(
-                f"the request needs {need} KV pages; the whole pool has {self.num_pages}"
-            )
+        check_fits(prompt_len, max_tokens, max_seq_len=self.max_seq_len,
+                   page_size=self.page_size, num_pages=self.num_pages)  # fmt: skip
 
     def submit(
         self,

@@ -30,3 +30,9 @@ class NotFound(EngineError, KeyError):
 
 class ModelNotFound(EngineError, FileNotFoundError):
     code = "model_not_found"
+
+
+class Capacity(EngineError):
+    """Too many requests are already waiting (the server's --max-waiting): try later."""
+
+    code = "capacity"

@@ -2,7 +2,9 @@
 
 The engine thread hands over whole batches of messages with `publish()`, which never waits. The
 server thread numbers each broadcast (`seq`, protocol v1.1), serializes it once, gives it to the
-sinks (the history fold, trace file) and appends the same string to every client's bounded queue. A client that stops reading loses its
+sinks (the history fold, trace file) and appends the same string to every client's bounded
+queue. `publish_serialized()` takes batches already numbered and serialized elsewhere (the
+engine's own process) and only parses them for the sinks. A client that stops reading loses its
 oldest messages; once it has lost `drop_limit` of them without catching up, it is disconnected.
 """
 
@@ -120,9 +122,11 @@ class Publisher:
         *,
         hello: Callable[[], Message],
         sinks: Iterable[Sink] = (),
+        loads: Callable[[bytes], Message] = json.loads,
     ) -> None:
         self.config = config
         self._hello = hello
+        self._loads = loads  # parses what `publish_serialized` is given
         # Set before start(): handles each frame a client sends (the command handler).
         self.on_frame: Callable[[Client, str | bytes], Awaitable[None]] = _ignore_frame
         self._sinks = list(sinks)
@@ -174,6 +178,14 @@ class Publisher:
             with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
                 self._loop.call_soon_threadsafe(self._fan_out, messages)
 
+    def publish_serialized(self, frames: list[bytes]) -> None:
+        """Thread-safe, never blocks: a batch already numbered and serialized (JSON bytes, by
+        the engine's process). Each is parsed once for the sinks; its bytes go to clients as
+        they are."""
+        if frames and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
+                self._loop.call_soon_threadsafe(self._fan_out_serialized, frames)
+
     def broadcast(self, message: Message) -> None:
         """Server thread only: send to every client, in order with what `publish` sent."""
         self._fan_out([message])
@@ -203,7 +215,22 @@ class Publisher:
             for sink in self._sinks:
                 sink(msg, text)
             texts.append(text)
-        _deliver(self.clients, texts)
+        self._deliver(texts)
+
+    def _fan_out_serialized(self, frames: list[bytes]) -> None:
+        texts = []
+        for frame in frames:
+            msg = self._loads(frame)
+            if isinstance(seq := msg.get("seq"), int):
+                self.seq = seq
+            text = frame.decode()
+            for sink in self._sinks:
+                sink(msg, text)
+            texts.append(text)
+        self._deliver(texts, frames)
+
+    def _deliver(self, texts: list[str], payloads: list[bytes] | None = None) -> None:
+        _deliver(self.clients, texts, payloads)
         self.messages_published += len(texts)
         for client in [c for c in self.clients if c.dropped_behind > self.config.drop_limit]:
             self._disconnect_slow(client)
@@ -289,9 +316,11 @@ class Publisher:
             pass
 
 
-def _deliver(clients: Iterable[Client], texts: list[str]) -> None:
-    """Write a batch to every client that keeps up, queue it for the others; never waits."""
-    payloads: list[bytes] | None = None
+def _deliver(
+    clients: Iterable[Client], texts: list[str], payloads: list[bytes] | None = None
+) -> None:
+    """Write a batch to every client that keeps up, queue it for the others; never waits.
+    `payloads`: the texts' UTF-8 bytes, when the caller has them."""
     for client in clients:
         if not client.can_write_now():
             for text in texts:

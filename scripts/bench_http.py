@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -57,9 +58,9 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def model_path(name: str, tmp: Path) -> str:
-    if name != "tiny":
-        return name
-    from engine.checks import make_tiny
+    if name != "tiny":  # a directory as an absolute path: a --baseline-root server runs elsewhere
+        return str(Path(name).resolve()) if Path(name).is_dir() else name
+    from engine.checks.models import make_tiny
     from engine.models.loader import resolve
 
     return str(make_tiny("llama", tmp / "tiny", resolve("smollm2", progress=False).path))
@@ -93,7 +94,10 @@ def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab:
     return out
 
 
-def start_server(args: argparse.Namespace, model: str, running: int) -> tuple[Any, str]:
+def start_server(
+    args: argparse.Namespace, model: str, running: int, root: Path = ROOT
+) -> tuple[Any, str]:
+    """`python -m engine.server` from the checkout at `root` (this one, or --baseline-root)."""
     cmd = [sys.executable, "-m", "engine.server", "--model", model, "--port", "0",
            "--http-port", "0", "--device", args.device, "--policy", args.policy,
            "--max-extend-tokens", str(args.budget), "--max-running-req", str(running),
@@ -103,7 +107,9 @@ def start_server(args: argparse.Namespace, model: str, running: int) -> tuple[An
         cmd += ["--dtype", args.dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    path = os.environ.get("PYTHONPATH")  # the tree first: its `engine` is the one imported
+    env = {**os.environ, "PYTHONPATH": str(root) if not path else f"{root}{os.pathsep}{path}"}
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     url = ""
     while not url:
@@ -173,7 +179,8 @@ def hot_path(streams: int = 64, tokens: int = 200) -> float:
         tasks = []
         for uid in range(streams):
             stream = Stream(loop)
-            router.register(uid, stream)
+            router.expect()  # as a submit does, until its reply names the uid
+            router.register([uid], stream)
             gen = Generation(api, stream, [Choice(0, uid, [1], None, req)], 1)  # type: ignore[arg-type]
             head = ResponseHead(f"cmpl-{uid}", "m", "completion")
 
@@ -211,6 +218,12 @@ def main() -> int:
     p.add_argument("--streams", default="1,16,64")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument(
+        "--baseline-root",
+        default=None,
+        help="also run the HTTP half against the server of the checkout in this directory "
+        "(e.g. `git worktree add /tmp/base main`): before and after in one run",
+    )
+    p.add_argument(
         "--hot-path",
         action="store_true",
         help="only the HTTP side's CPU per token at 64 streams (no engine, no sockets)",
@@ -231,27 +244,39 @@ def main() -> int:
 
         vocab = read_config(resolve(model, progress=False).path)[0].vocab_size
         alone = engine_alone(args, model, counts, vocab)
-        proc, url = start_server(args, model, max(counts))
-        try:
-            asyncio.run(http_run(url, 1, args, vocab))  # warm-up
-            results = []
-            for n in counts:
-                tok_s, itl = asyncio.run(http_run(url, n, args, vocab))
-                step, eng = alone[n]
-                results.append(Result(n, step, eng, tok_s, itl))
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+        trees = [("this tree", ROOT)]
+        if args.baseline_root:
+            trees.append(("baseline " + args.baseline_root, Path(args.baseline_root).resolve()))
+        tables = []
+        for label, root in trees:
+            proc, url = start_server(args, model, max(counts), root)
+            try:
+                asyncio.run(http_run(url, 1, args, vocab))  # warm-up
+                results = []
+                for n in counts:
+                    tok_s, itl = asyncio.run(http_run(url, n, args, vocab))
+                    step, eng = alone[n]
+                    results.append(Result(n, step, eng, tok_s, itl))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+            tables.append((label, results))
     print(f"model {args.model} on {args.device}, prompt {args.prompt_len}, output {args.output_len}"
           f", policy {args.policy}, budget {args.budget}")  # fmt: skip
+    for label, results in tables:
+        print(f"\nHTTP through {label}:")
+        print_table(results)
+    return 0
+
+
+def print_table(results: list[Result]) -> None:
     print("| streams | engine step | engine tok/s | HTTP tok/s | HTTP/engine | ITL p50 | ITL p99 "
           "| p99 / step |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in results:
         p50, p99 = percentile(r.itl, 50) or 0.0, percentile(r.itl, 99) or 0.0
         print(f"| {r.streams} | {r.engine_step_s * 1e3:.2f} ms | {r.engine_tok_s:,.0f} | "
               f"{r.http_tok_s:,.0f} | {r.http_tok_s / r.engine_tok_s:.2f} | {p50 * 1e3:.2f} ms | "
-              f"{p99 * 1e3:.2f} ms | {p99 / r.engine_step_s:.1f} |")  # fmt: skip
-    return 0
+              f"{p99 * 1e3:.2f} ms | {p99 / r.engine_step_s:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@
     python scripts/bench_server.py soak [--model tiny] [--requests 2000] [--overlap]
 
 `overhead` runs the same workload on one engine, alternating rounds without and with the whole
-server stack (event hook, history fold, publisher thread, one connected client in another process
-that reads and parses every message; `--clients N` connects N of them, and `--metrics-every S`
-scrapes the HTTP API's /metrics every S seconds throughout), and prints the step-time ratio. `soak` starts
+server stack (event hook, the events serialized and sent to the API process, which folds them
+and fans them out to one connected client in another process that reads and parses every
+message; `--clients N` connects N of them, and `--metrics-every S` scrapes the API process's
+/metrics every S seconds throughout), and prints the step-time ratio. `soak` starts
 `python -m engine.server` and drives it over the WebSocket with random requests, budget and
 policy changes and aborts, then asks the server to check its page accounting.
 """
@@ -120,27 +121,35 @@ def overhead(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(model_path(args.model, Path(tmp)), max_running_req=args.max_running,
+        path = model_path(args.model, Path(tmp))
+        llm = LLM(path, max_running_req=args.max_running,
                   device=args.device, load_format=args.load_format, policy=args.policy,
                   max_extend_tokens=args.budget, progress=False)  # fmt: skip
-    server = build(llm, build_parser().parse_args(["--port", "0", "--http-port", "0"]))
+        server = build(llm, build_parser().parse_args(["--model", path, "--port", "0",
+                                                       "--http-port", "0"]))  # fmt: skip
+        instrumented = False
+
+        def hook(ev: Any) -> None:  # off during bare rounds: one call and a test per event
+            if instrumented:
+                server.loop.on_event(ev)
+
+        def wait_hook() -> None:  # as the server's loop: events go out while the device works
+            if instrumented:
+                server.loop.flush()
+
+        llm.add_event_hook(hook)
+        if hasattr(llm, "add_wait_hook"):
+            llm.add_wait_hook(wait_hook)
+        if not server.start():  # the API process: WebSocket, HTTP and /metrics
+            raise SystemExit("the API process did not start")
     scraper = None
     if args.metrics_every > 0:
-        assert server.http is not None
-        server.http.start()
-        scraper = Scraper(server.http.url + "/metrics", args.metrics_every)
-    instrumented = False
-
-    def hook(ev: Any) -> None:  # off during bare rounds: one call and a test per event
-        if instrumented:
-            server.loop.on_event(ev)
-
-    llm.add_event_hook(hook)
-    server.publisher.start()
+        assert server.urls.get("http")
+        scraper = Scraper(f"{server.urls['http']}/metrics", args.metrics_every)
     clients = []
     for _ in range(0 if args.no_client else args.clients):
         client = subprocess.Popen(
-            [sys.executable, __file__, "read", server.publisher.url],
+            [sys.executable, __file__, "read", str(server.urls["ws"])],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert client.stdout is not None and client.stdout.readline().strip() == "connected"

@@ -1,9 +1,11 @@
 """The server: the one package that wires the engine to the instrumentation layer.
 
-`python -m engine.server` runs the composition root (core.py): its command line comes from the
-settings (args.py), the engine loop and WebSocket commands are in loop.py, the trace writer and
-publisher are instrumentation's; the HTTP routes (OpenAI API, /health, /metrics) are in
-openai_api.py, openai_app.py and prometheus.py.
+`python -m engine.server` runs two processes. The engine process (core.py: the composition root,
+its command line from the settings in args.py) runs the engine loop (loop.py) and the engine's
+end of the wire (bridge.py, ipc.py). The API process it spawns (frontend.py) serves clients
+over the engine's client (client.py): the WebSocket protocol (instrumentation's publisher, the
+commands in commands.py), the HTTP routes (OpenAI API, SGLang's worker routes, /health,
+/metrics: openai_api.py, openai_app.py, sglang_api.py, prometheus.py) and the trace writer.
 """
 
 from engine.server.args import ServerArgs, build_parser, parse_args

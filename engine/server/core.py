@@ -1,36 +1,35 @@
-"""`python -m engine.server`: the composition root that wires the engine to the WebSocket server.
+"""`python -m engine.server`: the composition root of the engine process and the API process.
 
-The engine loop (loop.py) runs in the main thread and sleeps on an event while idle. The publisher
-(instrumentation.publisher) runs an asyncio server in another thread, and the HTTP API
-(openai_api.py) a third. The command line comes from the settings' dataclasses (args.py). This
-package is the only place that imports both the engine and instrumentation.
+This process loads the model and runs the engine loop (loop.py) in its main thread; it spawns
+the API process (frontend.py: the WebSocket protocol, the HTTP API, tokenizing, the folds) at
+the start, so that process's imports overlap the model load, and talks to it over ZMQ
+(bridge.py here, client.py there). SIGINT or SIGTERM stops the engine, which then tells the API
+process to stop (END) and waits for it; an API process that exits stops the engine. The
+command line comes from the settings' dataclasses (args.py). This package is the only place
+that imports both the engine and instrumentation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import json
 import logging
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.server.args import ServerArgs, build_parser, parse_args
-from engine.server.loop import GIL_SWITCH_INTERVAL_S, CommandHandler, EngineLoop
-from instrumentation import messages
+from engine.server.bridge import ApiProcess, EngineBridge
+from engine.server.loop import GIL_SWITCH_INTERVAL_S, EngineLoop
 from instrumentation.errors import EngineError
-from instrumentation.fold import Fold
-from instrumentation.publisher import Publisher, PublisherConfig
-from instrumentation.trace import TraceWriter
-
-if TYPE_CHECKING:
-    from engine.server.openai_api import HttpApi
 
 __all__ = ["EngineLoop", "Server", "ServerArgs", "build", "build_parser", "main", "serve"]
 
@@ -56,15 +55,22 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             print(f"stepscope: cannot listen on {args.host}:{port}: {exc}", file=sys.stderr)
             return 2
-    print(f"stepscope: loading {args.model} on {args.device} ...", file=sys.stderr, flush=True)
+    # the sockets' directory, only this user's (mkdtemp: mode 0700)
+    directory = tempfile.mkdtemp(prefix="stepscope-")
+    api = ApiProcess(api_settings(args, directory))  # its imports overlap the model load
     try:
-        llm = LLM.from_config(args.engine(), progress=True)
-    except KeyboardInterrupt:
-        return 130
-    except EngineError as exc:
-        print(f"stepscope: cannot start the engine: {exc}", file=sys.stderr)
-        return 2
-    return serve(llm, args)
+        print(f"stepscope: loading {args.model} on {args.device} ...", file=sys.stderr, flush=True)
+        try:
+            llm = LLM.from_config(args.engine(), progress=True)
+        except KeyboardInterrupt:
+            return 130
+        except EngineError as exc:
+            print(f"stepscope: cannot start the engine: {exc}", file=sys.stderr)
+            return 2
+        return serve(llm, args, api=api, directory=directory)
+    finally:
+        api.stop(graceful=False)  # at once, if anything above failed; else it has exited
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -77,112 +83,125 @@ def _check_port(host: str, port: int) -> None:
         sock.bind((host, port))
 
 
+def api_settings(args: Args, directory: str) -> dict[str, Any]:
+    """What the API process is started with (on its stdin: tokens stay out of argv)."""
+    return {
+        "ipc": directory,
+        "model": str(args.model),
+        "host": args.host,
+        "port": args.port,
+        "token": args.token,
+        "allow_origin": list(args.allow_origin or ()),
+        "http_port": getattr(args, "http_port", None),
+        "max_waiting": args.max_waiting,
+        "history_steps": args.history_steps,
+        "client_queue": args.client_queue,
+        "client_drop_limit": args.client_drop_limit,
+        "trace": args.trace,
+        "metrics_token": getattr(args, "metrics_token", None),
+        "metrics_compat": getattr(args, "metrics_compat", None),
+        "generation_config": getattr(args, "generation_config", "auto"),
+    }
+
+
 @dataclass
 class Server:
-    """The parts `serve` wires together; `build` makes them without starting anything."""
+    """The engine process's parts; `build` makes them without starting anything."""
 
     llm: Any
-    publisher: Publisher
     loop: EngineLoop
-    history: Fold  # what a late client's `hello` carries
-    trace: TraceWriter | None
-    http: HttpApi | None = None  # the OpenAI-compatible API; None with --http-port none
+    bridge: EngineBridge
+    settings: dict[str, Any]  # the API process's
+    api: ApiProcess | None = None
+    api_status: int | None = None  # the API process's exit status, once it exited
+    _closing: bool = field(default=False, repr=False)
+
+    @property
+    def urls(self) -> dict[str, str | None]:
+        """The API process's addresses: `ws` and `http` (None with --http-port none)."""
+        return self.bridge.urls
+
+    def start(self, api: ApiProcess | None = None) -> bool:
+        """Answer the API process's calls; spawn it (or adopt the one given) and wait until it
+        serves. False if it exited instead (it said why: a port already taken, say)."""
+        self.bridge.start()
+        self.api = api or ApiProcess(self.settings)
+        if not self.api.wait_ready(self.bridge):
+            self.api_status = self.api.exited()
+            return False
+        threading.Thread(target=self._watch_api, name="stepscope-api-watch", daemon=True).start()
+        return True
+
+    def _watch_api(self) -> None:
+        assert self.api is not None
+        status = self.api.proc.wait()
+        if not self._closing:
+            self.api_status = status
+            print(f"stepscope: the API process exited (status {status}); stopping the engine",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self.loop.stop()
 
     def close(self) -> None:
-        if self.http is not None:
-            self.http.stop()
-        self.publisher.stop()
-        if self.trace is not None:
-            self.trace.close()
+        """After the loop: tell the API process the engine stopped (after the last events),
+        wait for it, and release the sockets."""
+        self._closing = True
+        self.bridge.end()
+        if self.api is not None:
+            status = self.api.stop()
+            self.api_status = status if self.api_status is None else self.api_status
+        self.bridge.close()
+        shutil.rmtree(self.settings["ipc"], ignore_errors=True)
 
 
-def build(llm: Any, args: Args) -> Server:
-    """History, trace, publisher, engine loop and command handler around `llm` (not attached)."""
+def build(llm: Any, args: Args, directory: str | None = None) -> Server:
+    """The engine loop and the bridge around `llm`, their sockets in `directory` (a new
+    private one if None); nothing started."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # the model, tokenizer and imports are hundreds of thousands of objects that live for good:
     # out of the collector's sight, a full collection walks only what serving creates
     gc.freeze()
-    max_frame = 2**20
-    # the shared fold with the server's bounds: the last --history-steps steps, every request in
-    # flight, ended requests up to a count and a byte budget
-    history = Fold(max_steps=args.history_steps, config=llm.config_dict())
+    directory = directory or tempfile.mkdtemp(prefix="stepscope-")
     # `instance` tells a reconnecting client whether it meets the engine it knew (v1.1)
-    engine_facts = {**llm.info.to_dict(), "max_frame_bytes": max_frame,
-                    "max_waiting": args.max_waiting,
-                    "instance": uuid.uuid4().hex[:12],
-                    # the wall-clock time at which the engine's clock read 0: engines on one
-                    # machine (a fleet) are drawn on one clock by it
-                    "clock_epoch": time.time() - llm.now()}  # fmt: skip
-
-    def hello() -> dict[str, Any]:
-        # server thread: the fold has folded every broadcast up to `history.seq`
-        return messages.hello(
-            llm.now(), engine_facts, dict(history.config), history.history(), history.seq
-        )
-
-    sinks: list[Callable[[dict[str, Any], str], None]] = [lambda msg, _text: history.apply(msg)]
-    trace = TraceWriter(args.trace) if args.trace else None
-    if trace is not None:
-        trace.write(json.dumps(hello()))  # the header: engine facts and the starting config
-        sinks.append(trace)
-    http = _http_api(llm, args)
-    if http is not None:  # its router and Prometheus metrics see every message
-        sinks.extend(http.sinks)
-    config = PublisherConfig(
-        host=args.host, port=args.port, token=args.token,
-        allowed_origins=tuple(args.allow_origin or ()), max_frame_bytes=max_frame,
-        client_queue=args.client_queue, drop_limit=args.client_drop_limit,
-    )  # fmt: skip
-    publisher = Publisher(config, hello=hello, sinks=sinks)
-    engine_loop = EngineLoop(llm, publisher.publish)
-    publisher.on_frame = CommandHandler(llm, engine_loop, publisher, args.max_waiting).on_frame
-    if http is not None:
-        http.wake, http.call = engine_loop.wake.set, engine_loop.call
-    return Server(llm, publisher, engine_loop, history, trace, http)
+    hello = {**llm.info.to_dict(), "max_frame_bytes": 2**20, "max_waiting": args.max_waiting,
+             "instance": uuid.uuid4().hex[:12],
+             # the wall-clock time at which the engine's clock read 0: engines on one machine
+             # (a fleet) are drawn on one clock by it
+             "clock_epoch": time.time() - llm.now()}  # fmt: skip
+    facts = {
+        "info": llm.info.to_dict(),
+        "hello": hello,
+        "config": llm.config_dict(),
+        "clock_start": time.monotonic() - llm.now(),
+        "tokenizer": str(getattr(llm.tokenizer, "name_or_path", "") or ""),
+        "model_dir": _model_dir(str(args.model)),
+    }
+    bridge = EngineBridge(llm, directory, facts, args.max_waiting)
+    loop = EngineLoop(llm, bridge.publish)
+    bridge.attach(loop)
+    return Server(llm, loop, bridge, api_settings(args, directory))
 
 
-def _http_api(llm: Any, args: Args) -> HttpApi | None:
-    if getattr(args, "http_port", None) is None:
-        return None
-    from engine.server.openai_api import build_http_api  # prometheus-client, only when on
+def _model_dir(model: str) -> str | None:
+    """The model's local directory (its generation_config.json), if it has one."""
+    from engine.models.loader import resolve
 
-    return build_http_api(
-        llm, host=args.host, port=args.http_port, token=args.token,
-        allowed_origins=tuple(args.allow_origin or ()), max_waiting=args.max_waiting,
-        model_arg=str(args.model), app=_web_app,
-        metrics_token=getattr(args, "metrics_token", None),
-        generation_config=getattr(args, "generation_config", "auto"),
-        metrics_compat=getattr(args, "metrics_compat", None),
-    )  # fmt: skip
+    with contextlib.suppress(Exception):  # a dummy or odd model has no directory to read
+        return str(resolve(model, progress=False).path)
+    return None
 
 
-def _web_app(api: HttpApi) -> Any:
-    from engine.server.openai_app import build_app  # Starlette, only when the API serves
-
-    return build_app(api)
-
-
-def serve(llm: Any, args: Args) -> int:
-    """Publish `llm` and run its loop until SIGINT or SIGTERM; returns the exit status."""
-    server = build(llm, args)
+def serve(llm: Any, args: Args, api: ApiProcess | None = None, directory: str | None = None) -> int:
+    """Serve `llm` until SIGINT or SIGTERM (or the API process's exit); the exit status."""
+    server = build(llm, args, directory)
     server.loop.attach()
-    try:
-        server.publisher.start()
-    except OSError as exc:
-        print(f"stepscope: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
-    if server.http is not None:
-        try:
-            server.http.start()
-        except OSError as exc:
-            print(f"stepscope: cannot listen on {server.http.url}: {exc}", file=sys.stderr)
-            server.publisher.stop()
-            return 2
+    if not server.start(api):
+        server.close()
+        return 2 if server.api_status in (None, 2) else 1
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.loop.stop())
-    print(f"stepscope engine ready at {server.publisher.url}", flush=True)
-    if server.http is not None:
-        print(f"stepscope HTTP API at {server.http.url}", flush=True)
+    print(f"stepscope engine ready at {server.urls['ws']}", flush=True)
+    if server.urls.get("http") is not None:
+        print(f"stepscope HTTP API at {server.urls['http']}", flush=True)
     status = 0
     try:
         server.loop.run()
@@ -193,5 +212,7 @@ def serve(llm: Any, args: Args) -> int:
         server.close()
         if hasattr(llm, "close"):  # tensor-parallel worker processes stop with the server
             llm.close()
+    if server.api_status not in (None, 0):
+        status = 1
     print("stepscope: engine stopped", file=sys.stderr, flush=True)
     return status

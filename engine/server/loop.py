@@ -1,44 +1,28 @@
-"""The engine loop and the WebSocket commands: the engine thread steps `LLM` while there is
-work and hands each step's events to the publisher; `CommandHandler` turns a client's frame into
-an engine call on the server thread. Commands reach the engine through `LLM`'s thread-safe
-methods, and events come back through an event hook that only appends to a list.
+"""The engine loop: the engine thread steps `LLM` while there is work and hands each step's
+events to the publisher (the bridge to the API process, bridge.py). Commands reach the engine
+through `LLM`'s thread-safe methods, and events come back through an event hook that only appends
+to a list.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
-
-from engine.config import POLICY_NAMES
-from instrumentation import messages
-from instrumentation.commands import (
-    Abort,
-    CommandError,
-    KVMap,
-    SetConfig,
-    Stats,
-    Submit,
-    parse_command,
-)
-from instrumentation.errors import EngineError
-from instrumentation.publisher import Client, Publisher
 
 log = logging.getLogger("stepscope.server")
 
-# Events are handed to the server thread at most this often (and whenever the engine idles):
-# each hand-over wakes that thread, which then holds the GIL the engine needs, so a fast engine
-# (milliseconds per step) should pay for it once per few steps, not every step.
+# Events go out at most this often while the engine never waits for a device (a CPU engine: one
+# send per few fast steps), and at every wait for the device (a GPU engine: each step's events
+# are serialized while the device computes the next) and whenever the engine idles.
 FLUSH_INTERVAL_S = 0.01
-# While the server thread serializes a batch of events it holds the GIL; the engine thread,
-# back from launching a step, then waits until the interpreter switches threads: 5 ms by
-# default, longer than a decode step on a GPU. A shorter interval bounds that wait.
+# The bridge's thread (bridge.py) takes the GIL to answer a call; the engine thread, back from
+# launching a step, then waits until the interpreter switches threads: 5 ms by default, longer
+# than a decode step on a GPU. A shorter interval bounds that wait.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -52,19 +36,20 @@ class EngineLoop:
         self.steps = 0
         self.errors = 0
         self._pending: list[Any] = []
+        self._posted: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()  # other threads'
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.SimpleQueue()
         )
         self._stopping = False
         self._last_flush = 0.0
-        # The whole event hook: no serializing or I/O on the engine thread (see `attach`).
+        # The whole event hook: events are serialized in batches by `flush` (see `attach`).
         self.on_event: Callable[[Any], None] = self._pending.append
 
     def attach(self) -> EngineLoop:
         self.llm.add_event_hook(self.on_event)
         if hasattr(self.llm, "add_wait_hook"):
-            # hand the events over while the engine waits for the device: the server thread
-            # then serializes them in time the engine thread does not need
+            # serialize and send the events while the engine waits for the device: time the
+            # engine thread does not need
             self.llm.add_wait_hook(self.flush)
         return self
 
@@ -74,6 +59,11 @@ class EngineLoop:
         self._calls.put((fn, future))
         self.wake.set()
         return future
+
+    def post(self, message: dict[str, Any]) -> None:
+        """Any thread: publish `message` with the next flush, after the events before it."""
+        self._posted.put(message)
+        self.wake.set()
 
     def stop(self) -> None:
         self._stopping = True
@@ -109,9 +99,11 @@ class EngineLoop:
     def flush(self) -> None:
         """Hand the events collected so far to the publisher."""
         self._last_flush = time.monotonic()
-        if self._pending:
+        if self._pending or not self._posted.empty():
             batch = self._pending.copy()
             self._pending.clear()  # the same list: `on_event` is its bound `append`
+            while not self._posted.empty():
+                batch.append(self._posted.get_nowait())
             self.publish(batch)
 
     def _run_calls(self) -> None:
@@ -135,87 +127,3 @@ class EngineLoop:
             except queue.Empty:
                 return
             future.cancel()
-
-
-class CommandHandler:
-    """Turns one client frame into an engine call and a reply (runs on the server thread)."""
-
-    def __init__(self, llm: Any, loop: EngineLoop, publisher: Publisher, max_waiting: int) -> None:
-        self.llm = llm
-        self.loop = loop
-        self.publisher = publisher
-        self.max_waiting = max_waiting
-        self.vocab_size: int = llm.info.vocab_size
-
-    async def on_frame(self, client: Client, frame: str | bytes) -> None:
-        try:
-            cmd = parse_command(frame, vocab_size=self.vocab_size, policies=POLICY_NAMES)
-        except CommandError as exc:
-            self.publisher.reply(client, messages.error(exc.command_id, exc.code, exc.message))
-            return
-        try:
-            if isinstance(cmd, Submit):
-                await self._submit(client, cmd)
-            elif isinstance(cmd, Abort):
-                self.llm.abort(cmd.uid)
-                self.loop.wake.set()
-                # the sender hears at once; every client sees the `aborted` event that follows
-                self.publisher.reply(client, messages.accepted(cmd.id, cmd.uid))
-            elif isinstance(cmd, SetConfig):
-                self._set_config(cmd)
-            elif isinstance(cmd, Stats):
-                await self._stats(client, cmd)
-            elif isinstance(cmd, KVMap):
-                await self._kv_map(client, cmd)
-        except EngineError as exc:
-            code = exc.code if exc.code in messages.ERROR_CODES else "invalid_request"
-            self.publisher.reply(client, messages.error(cmd.id, code, str(exc)))  # type: ignore[arg-type]
-        except Exception:  # a bug here must still answer, and must not reach the engine loop
-            log.exception("command %r failed", type(cmd).__name__)
-            reason = "the server could not carry out this command"
-            self.publisher.reply(client, messages.error(cmd.id, "invalid_request", reason))
-
-    async def _submit(self, client: Client, cmd: Submit) -> None:
-        if self.llm.num_waiting() >= self.max_waiting:
-            reason = f"{self.max_waiting} requests are already waiting; try later"
-            self.publisher.reply(client, messages.error(cmd.id, "capacity", reason))
-            return
-        # Off the server thread: tokenizing a long prompt must not hold up other clients.
-        uid = await asyncio.to_thread(self.llm.submit, cmd.prompt, cmd.params, chat=cmd.chat)
-        self.loop.wake.set()
-        self.publisher.reply(client, messages.accepted(cmd.id, uid))
-
-    def _set_config(self, cmd: SetConfig) -> None:
-        values = self.llm.set_config(
-            max_extend_tokens=cmd.max_extend_tokens, policy=cmd.policy, admission=cmd.admission
-        )
-        self.loop.wake.set()
-        self.publisher.broadcast(messages.config(cmd.id, self.llm.now(), values))
-
-    async def _kv_map(self, client: Client, cmd: KVMap) -> None:
-        # Between two steps, on the engine thread: the page table and the tree hold still.
-        values = await asyncio.wrap_future(self.loop.call(self.llm.kv_map))
-        self.publisher.reply(client, messages.kv_map(cmd.id, values.pop("t"), values))
-
-    async def _stats(self, client: Client, cmd: Stats) -> None:
-        values = await asyncio.wrap_future(self.loop.call(self._engine_stats))
-        if (snapshot := values.pop("snapshot")) is not None:  # page by page, off the engine
-            values["integrity"] = await asyncio.to_thread(snapshot.verdict)
-        values.update(self.publisher.counters())
-        self.publisher.reply(client, messages.stats(cmd.id, self.llm.now(), values))
-
-    def _engine_stats(self) -> dict[str, Any]:
-        """Engine thread, between steps: the counters are checked (O(rows)) and the page
-        accounting copied; `_stats` checks the copy page by page on another thread."""
-        try:
-            snapshot, integrity = self.llm.integrity_snapshot(), "ok"
-        except AssertionError as exc:
-            snapshot, integrity = None, f"failed: {exc}"
-        return {
-            "steps": self.loop.steps,
-            "engine_errors": self.loop.errors,
-            "integrity": integrity,
-            "snapshot": snapshot,
-            "kv": asdict(self.llm.kv_stats()),
-            "queue": asdict(self.llm.queue_stats()),
-        }

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API's engine side: requests in, tokens out, its lifecycle.
 
-A request over HTTP is an ordinary engine request, submitted with `source="http"`: the page
-shows it like any other. Tokens come back the way they reach every WebSocket client: the
-publisher hands each serialized message to its sinks on its own thread; `Router.sink` picks out
-the `token` and `request` messages of HTTP requests and hands them to that request's `Stream` on
-the HTTP loop, where a `Generation` turns them into text, usage and a finish reason.
+It runs in the API process (frontend.py), beside the engine process it reaches through an
+`EngineClient` (client.py). A request over HTTP is an ordinary engine request, submitted with
+`source="http"`: the page shows it like any other. Tokens come back the way they reach every
+WebSocket client: the publisher hands each message of the engine's event stream to its sinks on
+its own thread; `Router.sink` picks out the `token` and `request` messages of HTTP requests and
+hands them to that request's `Stream` on the HTTP loop, where a `Generation` turns them into
+text, usage and a finish reason.
 
 The web app itself (Starlette under uvicorn, engine/server/openai_app.py) is made by the `app`
 factory the composition root hands in, called only by `start()`: building a server with the API
@@ -23,16 +25,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.detokenizer import StopMatcher
+from engine.server.client import EngineClient, EngineGone
 from engine.server.openai_errors import ApiError
 from engine.server.openai_response import TokenLogprob, Usage
 from engine.server.prometheus import EngineMetrics
-from instrumentation.errors import NotFound
 
 if TYPE_CHECKING:  # the request models need pydantic, which only the web app imports
     from engine.server.openai_schema import GenerationRequest
@@ -42,7 +43,9 @@ Message = dict[str, Any]
 # OpenAI's finish reasons, from the engine's: an EOS token is a natural stop
 FINISH_REASONS = {"eos": "stop", "length": "length"}
 CLOSED: Message = {"type": "_closed"}  # put on a stream when its client or the server goes away
+GONE: Message = {"type": "_gone"}  # put on every stream when the engine process dies
 STOP_TIMEOUT_S = 10
+READ_TIMEOUT_S = 5.0  # a read waits for the engine's step to end: a 503 past this
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,20 +99,45 @@ class Stream:
 class Router:
     """Routes `token` and `request` messages of HTTP requests to their streams.
 
-    `lock` is held across submit-and-register, so no message of a new uid can be routed before
-    its stream is registered (the engine may publish its `queued` event at once)."""
+    A submit's reply and the events come on two sockets (ipc.py), so a new uid's first messages
+    may arrive before the reply names it. While any submit awaits its reply (`expect`), messages
+    of unknown uids are held, and `register` hands a uid the ones held for it; once no submit is
+    outstanding, what is held belongs to other clients' requests and is dropped."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._streams: dict[int, Stream] = {}
         self._dirty: list[Stream] = []  # streams given messages since the last wake-up
         self._wake_scheduled = False
+        self._awaiting = 0  # submits sent and not yet answered
+        self._held: dict[int, list[Message]] = {}
 
-    def register(self, uid: int, stream: Stream) -> None:
-        self._streams[uid] = stream  # the caller holds `lock`
+    def expect(self) -> None:
+        """A submit is on its way: hold what comes for uids not known yet."""
+        with self.lock:
+            self._awaiting += 1
 
-    def drop(self, uid: int) -> None:
-        self._streams.pop(uid, None)  # the caller holds `lock`
+    def register(self, uids: list[int], stream: Stream) -> None:
+        """The submit's reply named `uids` (HTTP loop): route them, and hand over what waited."""
+        with self.lock:
+            held = []
+            for uid in uids:
+                self._streams[uid] = stream
+                held += self._held.pop(uid, ())
+            self._settle()
+        if held:
+            stream._items.extend(held)
+            stream._ready.set()
+
+    def unexpect(self) -> None:
+        """The submit failed: nothing to register."""
+        with self.lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        self._awaiting -= 1
+        if not self._awaiting:
+            self._held.clear()
 
     def unregister(self, uid: int) -> None:
         with self.lock:
@@ -124,6 +152,8 @@ class Router:
         with self.lock:
             stream = self._streams.get(msg["uid"])
             if stream is None:
+                if self._awaiting:
+                    self._held.setdefault(msg["uid"], []).append(msg)
                 return
             stream._items.append(msg)
             if not stream._wake_pending:
@@ -143,11 +173,11 @@ class Router:
         for stream in dirty:
             stream._wake()
 
-    def close_all(self) -> None:
+    def close_all(self, why: Message = CLOSED) -> None:
         with self.lock:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
-            stream.put(CLOSED)
+            stream.put(why)
 
 
 @dataclass(slots=True)
@@ -253,6 +283,9 @@ class Generation:
                 if msg["type"] == "_closed":
                     self.close()
                     break
+                if msg["type"] == "_gone":
+                    self.error = engine_gone(self.api.gone)
+                    break
                 choice = self._by_uid.get(msg["uid"])
                 if choice is None or choice.done:
                     continue  # a token of a choice already ended on a stop string
@@ -293,27 +326,30 @@ class Generation:
                 self.api.abort(choice.uid)
 
 
+def engine_gone(reason: str | None) -> ApiError:
+    return ApiError(503, f"the engine is not running ({reason or 'gone'}); try later",
+                    type="service_unavailable", code="engine_gone")  # fmt: skip
+
+
 class HttpApi:
-    """Build with the engine and its metrics; `start()` binds and serves, `stop()` ends it."""
+    """Build with the engine's client and the metrics; `start()` binds and serves, `stop()`
+    ends it."""
 
     def __init__(
         self,
-        llm: Any,
+        engine: EngineClient,
         config: HttpConfig,
         metrics: EngineMetrics,
         app: Callable[[HttpApi], Any],
     ) -> None:
-        self.llm = llm
+        self.engine = engine
         self.app = app  # the ASGI app's factory (openai_app.build_app), called by start()
         self.config = config
         self.metrics = metrics
         self.router = Router()
         self.sinks = [metrics, self.router.sink]  # for the publisher
-        # set by the server once the engine loop exists: wake it after submit/abort, and run a
-        # read on the engine thread between steps (the live KV gauge)
-        self.wake: Callable[[], None] = lambda: None
-        self.call: Callable[[Callable[[], Any]], Future] | None = None
-        self.model = llm.info.model
+        self.gone: str | None = None  # why, once the engine process is gone: every call a 503
+        self.model = engine.info.model
         self.model_names = frozenset((self.model, *config.model_names))
         self.port = config.port
         self._server: Any = None
@@ -324,7 +360,7 @@ class HttpApi:
         """A token's text decoded alone, as vLLM writes logprobs' tokens (HTTP thread)."""
         text = self._tokens.get(token_id)
         if text is None:
-            text = self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
             if len(self._tokens) < 1 << 20:
                 self._tokens[token_id] = text
         return text
@@ -372,11 +408,45 @@ class HttpApi:
         if self._thread is not None:
             self._thread.join(timeout=STOP_TIMEOUT_S)
 
+    def engine_gone(self, reason: str) -> None:
+        """The engine process died: every open response ends with a 503, and so does every
+        later request."""
+        self.gone = reason
+        self.router.close_all(GONE)
+
     # -- engine calls -------------------------------------------------------------------
+    async def submit(
+        self, requests: list[tuple[list[int], Any]], stream: Stream, source: str
+    ) -> list[int]:
+        """Queue the requests in the engine, all or none; their messages go to `stream`.
+        The engine's refusal (capacity, size) is raised as its EngineError."""
+        if self.gone is not None:
+            raise engine_gone(self.gone)
+        self.router.expect()
+        try:
+            uids = await self.engine.call("submit", requests=requests, source=source)
+        except BaseException as exc:
+            self.router.unexpect()
+            if isinstance(exc, EngineGone):
+                raise engine_gone(str(exc)) from None
+            raise
+        self.router.register(uids, stream)
+        return uids
+
+    async def read(self, name: str, timeout: float = READ_TIMEOUT_S) -> Any:
+        """One of the engine's reads between steps (bridge.READS); a 503 if it cannot answer."""
+        try:
+            return await self.engine.call("read", name=name, timeout=timeout)
+        except TimeoutError:
+            raise ApiError(
+                503, "the engine did not answer in time", type="service_unavailable"
+            ) from None
+        except EngineGone as exc:
+            raise engine_gone(str(exc)) from None
+
     def abort(self, uid: int) -> None:
-        with contextlib.suppress(NotFound):  # it ended on its own meanwhile
-            self.llm.abort(uid)
-        self.wake()
+        """Nobody waits for the answer: a request that ended meanwhile is not an error."""
+        self.engine.send("abort", uid=uid)
 
     def stop_request(self, uid: int) -> None:
         """A stop string matched: end the request, counted as a `stop` in the metrics."""
@@ -404,7 +474,7 @@ def generation_defaults(model_dir: Path | None) -> dict[str, Any]:
 
 
 def build_http_api(
-    llm: Any,
+    engine: EngineClient,
     *,
     host: str,
     port: int,
@@ -422,19 +492,18 @@ def build_http_api(
     generation_config.json sampling defaults, `vllm` ignores them (vLLM's switch)."""
     import prometheus_client
 
-    from engine.models.loader import resolve
-
     # as vLLM does: no `_created` series beside every counter and histogram (process-wide)
     prometheus_client.disable_created_metrics()
     names = (model_arg, model_arg.rstrip("/").rsplit("/", 1)[-1])
     defaults = {}
-    if generation_config == "auto" and llm.info.model:
+    model_dir = engine.facts.model_dir if engine.facts is not None else None
+    if generation_config == "auto" and model_dir:
         with contextlib.suppress(Exception):  # a dummy or odd model has no file to read
-            defaults = generation_defaults(resolve(model_arg, progress=False).path)
+            defaults = generation_defaults(Path(model_dir))
     if defaults:
         log.info("sampling defaults from generation_config.json: %s", defaults)
     config = HttpConfig(host=host, port=port, token=token, allowed_origins=allowed_origins,
                         max_waiting=max_waiting, model_names=names, metrics_token=metrics_token,
                         sampling_defaults=defaults)  # fmt: skip
-    metrics = EngineMetrics(llm.info.model, metrics_compat, llm.info.max_seq_len)
-    return HttpApi(llm, config, metrics, app)
+    metrics = EngineMetrics(engine.info.model, metrics_compat, engine.info.max_seq_len)
+    return HttpApi(engine, config, metrics, app)

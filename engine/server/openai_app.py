@@ -27,7 +27,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.server.openai_api import CLOSED, Choice, Generation, HttpConfig, Piece, Stream
+from engine.server.client import EngineGone
+from engine.server.openai_api import (
+    CLOSED,
+    Choice,
+    Generation,
+    HttpConfig,
+    Piece,
+    Stream,
+    engine_gone,
+)
 from engine.server.openai_response import (
     ChoiceOut,
     ResponseHead,
@@ -43,7 +52,7 @@ from engine.server.openai_schema import (
     parse_request,
 )
 from engine.server.sglang_api import SglangWorker
-from instrumentation.errors import EngineError, NotFound, TooLarge
+from instrumentation.errors import Capacity, EngineError, NotFound, TooLarge
 from instrumentation.publisher import origin_allowed
 from instrumentation.sampling import SamplingParams
 
@@ -139,6 +148,8 @@ def _error(exc: ApiError) -> JSONResponse:
 def _engine_error(exc: EngineError) -> ApiError:
     if isinstance(exc, TooLarge):
         return bad(str(exc), code="context_length_exceeded")
+    if isinstance(exc, Capacity):
+        return ApiError(429, str(exc), type="rate_limit_error", code="capacity")
     if isinstance(exc, NotFound):
         return ApiError(404, str(exc), code="not_found")
     return bad(str(exc))
@@ -149,7 +160,7 @@ class Endpoints:
 
     def __init__(self, api: HttpApi) -> None:
         self.api = api
-        self.llm = api.llm
+        self.engine = api.engine
         self.config = api.config
         self.metrics = api.metrics
         self.router = api.router
@@ -163,6 +174,8 @@ class Endpoints:
                     return _error(exc)
                 except EngineError as exc:
                     return _error(_engine_error(exc))
+                except EngineGone as exc:
+                    return _error(engine_gone(str(exc)))
 
             return run
 
@@ -186,6 +199,8 @@ class Endpoints:
         )
 
     async def _health(self, request: Request) -> Response:
+        if self.api.gone is not None:
+            return _error(engine_gone(self.api.gone))
         return Response(status_code=200)
 
     async def _models(self, request: Request) -> Response:
@@ -195,17 +210,14 @@ class Endpoints:
             "created": int(time.time()),
             "owned_by": "stepscope",
             "root": self.api.model,
-            "max_model_len": self.llm.info.max_seq_len,
+            "max_model_len": self.engine.info.max_seq_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def _metrics(self, request: Request) -> Response:
-        if self.api.call is not None:  # a live reading: steps report the pool only while they run
-            with contextlib.suppress(Exception):
-                kv = await asyncio.wait_for(
-                    asyncio.wrap_future(self.api.call(self.llm.kv_stats)), 2
-                )
-                self.metrics.set_kv(kv.used, kv.total)
+        with contextlib.suppress(Exception):  # a live reading: steps report the pool only
+            kv = await self.api.read("kv_stats", timeout=2)  # while they run
+            self.metrics.set_kv(kv.used, kv.total)
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -233,15 +245,9 @@ class Endpoints:
                 404, f"The model `{req.model}` does not exist.", code="model_not_found",
                 param="model",
             )  # fmt: skip
-        if self.llm.num_waiting() + req.choices > self.config.max_waiting:
-            raise ApiError(
-                429, f"{self.config.max_waiting} requests are already waiting; try later",
-                type="rate_limit_error", code="capacity",
-            )  # fmt: skip
         # off the HTTP loop: tokenizing a long prompt must not hold up other clients
         prompts = await asyncio.to_thread(self._encode, req)
-        gen = self._submit(req, prompts, Stream(asyncio.get_running_loop()), source)
-        self.api.wake()
+        gen = await self._submit(req, prompts, Stream(asyncio.get_running_loop()), source)
         prefix = "cmpl" if req.endpoint == "completion" else "chatcmpl"
         uid = gen.choices[0].uid
         head = ResponseHead(f"{prefix}-{uid}-{secrets.token_hex(6)}", self.api.model, req.endpoint)
@@ -267,31 +273,25 @@ class Endpoints:
         ]
         return JSONResponse(head.response(choices, gen.usage))
 
-    def _submit(
+    async def _submit(
         self,
         req: GenerationRequest,
         prompts: list[tuple[list[int], str]],
         stream: Stream,
         source: str,
     ) -> Generation:
-        """Submit n engine requests per prompt, all routed to `stream`; all or none."""
+        """Submit n engine requests per prompt, all routed to `stream`; all or none (the engine
+        checks its queue's capacity and every size before it queues any)."""
         params = [self._params(req, ids, j) for ids, _ in prompts for j in range(req.n)]
         for (ids, _), p in zip(prompts, params[:: req.n], strict=True):
-            self.llm.check_fits(len(ids), p.max_tokens)  # before any is queued
-        choices: list[Choice] = []
-        with self.router.lock:
-            try:
-                for k, p in enumerate(params):
-                    ids, text = prompts[k // req.n]
-                    uid = self.llm.submit(ids, p, source=source)
-                    self.router.register(uid, stream)
-                    choices.append(Choice(k, uid, ids, text if req.echo else None, req))
-            except EngineError:
-                for c in choices:
-                    self.router.drop(c.uid)
-                    with contextlib.suppress(EngineError):
-                        self.llm.abort(c.uid)
-                raise
+            self.engine.check_fits(len(ids), p.max_tokens)  # a clear error before any call
+        requests = [(prompts[k // req.n][0], p) for k, p in enumerate(params)]
+        uids = await self.api.submit(requests, stream, source)
+        choices = [
+            Choice(k, uid, prompts[k // req.n][0], prompts[k // req.n][1] if req.echo else None,
+                   req)
+            for k, uid in enumerate(uids)
+        ]  # fmt: skip
         return Generation(self.api, stream, choices, sum(len(ids) for ids, _ in prompts))
 
     def _params(self, req: GenerationRequest, ids: list[int], j: int) -> SamplingParams:
@@ -377,11 +377,11 @@ class Endpoints:
         if req.endpoint == "completion":
             out = []
             for prompt in req.prompts:
-                ids = self.llm.encode(prompt)
-                text = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(ids)
+                ids = self.engine.encode(prompt)
+                text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
                 out.append((ids, text))
             return out
-        tok = self.llm.tokenizer
+        tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise bad("this model has no chat template; use /v1/completions", param="messages")
         try:
@@ -399,7 +399,7 @@ class Endpoints:
 
     def _room(self, prompt_len: int) -> int:
         """The default max_tokens on chat (as vLLM's): whatever the context and the pool leave."""
-        info = self.llm.info
+        info = self.engine.info
         return max(1, min(info.max_seq_len, info.num_pages * info.page_size) - prompt_len)
 
 

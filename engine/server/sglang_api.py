@@ -10,7 +10,7 @@ What the gateway (0.3.2) calls on a worker, found by running it against a loggin
   `POST /generate`; `POST /flush_cache` on an operator's call.
 
 The load is the real one: running and waiting requests and the KV tokens in use, read on the
-engine thread between steps. `/generate` is the OpenAI completion path with SGLang's body and
+engine thread between steps (bridge.READS). `/generate` is the OpenAI completion path with SGLang's body and
 response shape, so it validates and streams exactly as `/v1/completions` does.
 """
 
@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.server.openai_schema import ApiError, bad
+from engine.server.openai_schema import bad
 
 
 class Endpoints(Protocol):
@@ -34,7 +34,7 @@ class Endpoints(Protocol):
     a protocol, so this module does not import the one that imports it."""
 
     api: Any
-    llm: Any
+    engine: Any
 
     def parse(self, obj: Any, endpoint: Any) -> Any: ...
 
@@ -46,7 +46,6 @@ class Endpoints(Protocol):
 
 
 Message = dict[str, Any]
-READ_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # SGLang's sampling_params → the OpenAI completion field that means the same
 SAMPLING_FIELDS = {
@@ -83,7 +82,7 @@ class SglangWorker:
     def __init__(self, endpoints: Endpoints) -> None:
         self.ep = endpoints
         self.api = endpoints.api
-        self.llm = endpoints.llm
+        self.engine = endpoints.engine
 
     def routes(self, wrap: Callable[[Callable[[Request], Awaitable[Response]]], Any]) -> list:
         return [
@@ -97,38 +96,16 @@ class SglangWorker:
             Route("/generate", wrap(self._generate), methods=["POST"]),
         ]
 
-    # -- reads on the engine thread ----------------------------------------------------------
-    async def _on_engine(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the engine thread between steps (or here, when no loop runs: tests)."""
-        if self.api.call is None:
-            return fn()
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(self.api.call(fn)), READ_TIMEOUT_S)
-        except TimeoutError:
-            raise ApiError(
-                503, "the engine did not answer in time", type="service_unavailable"
-            ) from None
-
-    def _read_load(self) -> Message:
-        q = self.llm.queue_stats()
-        kv = self.llm.kv_stats()
-        return {
-            "dp_rank": 0,
-            "num_reqs": q.running + q.waiting,
-            "num_waiting_reqs": q.waiting,
-            "num_tokens": kv.used * self.llm.info.page_size,
-        }
-
     # -- endpoints ---------------------------------------------------------------------------
     def _model_path(self) -> str:
         """The model's local directory (the gateway loads its tokenizer from there, where a
         bare name would send it to the Hugging Face hub)."""
-        return str(getattr(self.llm.tokenizer, "name_or_path", "") or self.llm.info.model)
+        return str(getattr(self.engine.tokenizer, "name_or_path", "") or self.engine.info.model)
 
     async def _server_info(self, request: Request) -> Response:
-        info = self.llm.info
-        live = self.llm.config_dict()
-        load = await self._on_engine(self._read_load)
+        info = self.engine.info
+        live = await self.api.read("config")
+        load = await self.api.read("load")
         return JSONResponse({
             "model_path": self._model_path(),
             "tokenizer_path": self._model_path(),
@@ -150,7 +127,7 @@ class SglangWorker:
         })  # fmt: skip
 
     async def _model_info(self, request: Request) -> Response:
-        info = self.llm.info
+        info = self.engine.info
         return JSONResponse({
             "model_path": self._model_path(),
             "tokenizer_path": self._model_path(),
@@ -165,7 +142,7 @@ class SglangWorker:
 
     async def _load(self, request: Request) -> Response:
         # SGLang answers one entry per data-parallel rank; a stepscope replica is one rank
-        return JSONResponse([await self._on_engine(self._read_load)])
+        return JSONResponse([await self.api.read("load")])
 
     async def _health_generate(self, request: Request) -> Response:
         """A real one-token generation through the engine, as SGLang's: 200 once it ends."""
@@ -185,17 +162,12 @@ class SglangWorker:
         return Response(status_code=200)
 
     def _probe_token(self) -> int:
-        tok = self.llm.tokenizer
+        tok = self.engine.tokenizer
         bos = getattr(tok, "bos_token_id", None)
         return int(bos) if bos is not None else 0
 
     async def _flush_cache(self, request: Request) -> Response:
-        def flush() -> int | None:
-            if self.llm.num_waiting() or self.llm.queue_stats().running:
-                return None  # as SGLang: never under running requests
-            return self.llm.flush_cache()
-
-        freed = await self._on_engine(flush)
+        freed = await self.api.read("flush_cache")  # None under running or waiting requests
         if freed is None:
             return Response(
                 "Cache not flushed because there are pending requests.", status_code=400

@@ -18,8 +18,8 @@ from engine.server.openai_schema import ApiError, parse_request
 def endpoints(defaults: dict[str, Any], tokenizer: Any = None) -> Endpoints:
     info = SimpleNamespace(max_seq_len=1024, num_pages=4096, page_size=1)
     llm = SimpleNamespace(info=info, tokenizer=tokenizer)
-    api = SimpleNamespace(llm=llm, config=HttpConfig(sampling_defaults=defaults), metrics=None,
-                          router=None)  # fmt: skip
+    api = SimpleNamespace(engine=llm, config=HttpConfig(sampling_defaults=defaults),
+                          metrics=None, router=None)  # fmt: skip
     return Endpoints(api)  # type: ignore[arg-type]
 
 

@@ -1,0 +1,155 @@
+"""`python -m engine.server.frontend`: the API process, which `python -m engine.server` spawns.
+
+It serves the WebSocket protocol and the HTTP API (OpenAI, SGLang's worker routes, /metrics),
+tokenizes, and folds the engine's event stream for them (the history a `hello` carries, the
+Prometheus metrics, the trace file), so the engine process does no per-token or per-client work
+beyond serializing each batch of events once. It talks to the engine over ipc.py's sockets.
+
+Its settings come as JSON on stdin (tokens stay out of argv and the environment). It stops when
+the engine sends END (the engine stopped: exit 0) or on SIGTERM. If the engine process dies
+instead, open responses end with a 503, new requests get 503s for `DEAD_GRACE_S`, then it exits
+with status 1, so a supervisor sees the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from engine.server.client import EngineClient, EngineGone
+from instrumentation import messages
+from instrumentation.fold import Fold
+from instrumentation.publisher import Publisher, PublisherConfig
+from instrumentation.trace import TraceWriter
+
+log = logging.getLogger("stepscope.server")
+DEAD_GRACE_S = 5.0
+
+
+class ApiServer:
+    """The API process's parts around a connected `EngineClient`; `start()` binds and serves."""
+
+    def __init__(self, engine: EngineClient, settings: dict[str, Any]) -> None:
+        from engine.server import ipc
+
+        facts = engine.facts
+        assert facts is not None
+        self.engine = engine
+        self.settings = settings
+        # the shared fold with the server's bounds: what a late client's `hello` carries
+        self.history = Fold(max_steps=settings["history_steps"], config=facts.config)
+        sinks: list[Any] = [lambda msg, _text: self.history.apply(msg)]
+        self.trace = TraceWriter(settings["trace"]) if settings.get("trace") else None
+        if self.trace is not None:
+            self.trace.write(json.dumps(self.hello()))  # the header: engine facts, config
+            sinks.append(self.trace)
+        self.http = None
+        if settings.get("http_port") is not None:
+            from engine.server.openai_api import build_http_api
+            from engine.server.openai_app import build_app
+
+            self.http = build_http_api(
+                engine, host=settings["host"], port=settings["http_port"],
+                token=settings.get("token"), allowed_origins=tuple(settings["allow_origin"]),
+                max_waiting=settings["max_waiting"], model_arg=settings["model"], app=build_app,
+                metrics_token=settings.get("metrics_token"),
+                generation_config=settings["generation_config"],
+                metrics_compat=settings.get("metrics_compat"),
+            )  # fmt: skip
+            sinks.extend(self.http.sinks)  # its router and Prometheus metrics see every message
+        config = PublisherConfig(
+            host=settings["host"], port=settings["port"], token=settings.get("token"),
+            allowed_origins=tuple(settings["allow_origin"]),
+            max_frame_bytes=facts.hello["max_frame_bytes"],
+            client_queue=settings["client_queue"], drop_limit=settings["client_drop_limit"],
+        )  # fmt: skip
+        self.publisher = Publisher(config, hello=self.hello, sinks=sinks, loads=ipc.loads)
+        from engine.server.commands import CommandHandler
+
+        self.publisher.on_frame = CommandHandler(engine, self.publisher).on_frame
+        engine.on_events = self.publisher.publish_serialized
+
+    def hello(self) -> dict[str, Any]:
+        """The publisher thread's: the fold has folded every broadcast up to `history.seq`."""
+        facts = self.engine.facts
+        assert facts is not None
+        h = self.history
+        return messages.hello(self.engine.now(), facts.hello, dict(h.config), h.history(), h.seq)
+
+    def start(self) -> None:
+        """Bind and serve (OSError if a port is taken)."""
+        self.publisher.start()
+        if self.http is not None:
+            try:
+                self.http.start()
+            except OSError:
+                self.publisher.stop()
+                raise
+
+    @property
+    def urls(self) -> dict[str, str | None]:
+        return {"ws": self.publisher.url, "http": None if self.http is None else self.http.url}
+
+    def engine_gone(self, reason: str) -> None:
+        """Every open HTTP response ends with a 503 and WebSocket clients are let go."""
+        if self.http is not None:
+            self.http.engine_gone(reason)
+        self.publisher.stop()
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+        self.publisher.stop()
+        if self.trace is not None:
+            self.trace.close()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)  # no line per connection
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    settings = json.loads(sys.stdin.read())
+    engine = EngineClient(settings["ipc"], parent_pid=settings["parent_pid"]).start()
+    died: list[str] = []
+
+    def gone(reason: str, clean: bool) -> None:
+        if not clean:
+            died.append(reason)
+        stop.set()
+
+    engine.on_gone = gone
+    from transformers import AutoTokenizer  # while the engine loads its model
+
+    try:
+        facts = engine.connect(stop)
+    except EngineGone:
+        facts = None
+    if facts is None:
+        return 0  # stopped before the engine was ready (it says why, if it failed)
+    engine.tokenizer = AutoTokenizer.from_pretrained(facts.tokenizer)
+    server = ApiServer(engine, settings)
+    try:
+        server.start()
+    except OSError as exc:
+        print(f"stepscope: cannot listen: {exc}", file=sys.stderr, flush=True)
+        return 2
+    engine.call_future("ready", **server.urls)
+    while not stop.wait(0.5):
+        pass
+    if died:
+        log.error("%s: answering 503 for %.0f s, then exiting", died[0], DEAD_GRACE_S)
+        server.engine_gone(died[0])
+        threading.Event().wait(DEAD_GRACE_S)
+    server.stop()
+    engine.close()
+    return 1 if died else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
