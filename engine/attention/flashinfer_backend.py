@@ -68,7 +68,8 @@ class FlashInferAttention(AttentionBackend):
     prefill_split_kv: bool = True
     # FlashInfer's prefill kernel family: "fa2" (the default: its module also serves the
     # tensor-core decode wrapper, one JIT build for both) or "fa3" (Hopper's wgmma/TMA kernels,
-    # a second JIT build; no split-KV). Measured on the H200 by scripts/bench_prefill_gpu.py.
+    # a second JIT build; no split-KV). scripts/bench_prefill_gpu.py's `piecewise-fa3` sets it;
+    # on the H200 (issue 29, call AC) that engine gave no step within 100 s: not diagnosed.
     prefill_backend: str = "fa2"
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
