@@ -66,32 +66,34 @@ engine.llm.IncrementalDetokenizer = FoldedDetokenizer  # type: ignore[misc]
 
 
 VARIANTS = {
-    # name: (piecewise graphs' max tokens, qkv epilogue warps, FlashInfer prefill split-KV)
-    "eager": (0, 4, True),  # the engine before issue 29
-    "piecewise": (4096, 4, True),
-    "piecewise-w1": (4096, 1, True),
-    "piecewise-w1-nosplit": (4096, 1, False),
+    # name: (piecewise graphs' max tokens, qkv epilogue warps, FlashInfer prefill split-KV,
+    # FlashInfer prefill backend)
+    "eager": (0, 4, True, "fa2"),  # the engine before issue 29
+    "piecewise": (4096, 4, True, "fa2"),
+    "piecewise-w1": (4096, 1, True, "fa2"),
+    "piecewise-w1-nosplit": (4096, 1, False, "fa2"),
+    "piecewise-fa3": (4096, 1, True, "fa3"),  # Hopper's kernels for prefill and mixed steps
     "default": None,  # whatever the code defaults to
 }
 
 
 def set_variant(name: str) -> None:
-    from engine.attention.flashinfer_backend import FlashInferAttention
+    from engine.attention.flashinfer_backend import FlashInferAttention as FI
     from engine.kernels import qkv
 
     if name not in VARIANTS:
         raise SystemExit(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}")
     v = VARIANTS[name] or DEFAULTS
-    ModelRunner.piecewise_max_tokens, qkv.NUM_WARPS, FlashInferAttention.prefill_split_kv = v
+    ModelRunner.piecewise_max_tokens, qkv.NUM_WARPS, FI.prefill_split_kv, FI.prefill_backend = v
 
 
-def _defaults() -> tuple[int, int, bool]:
+def _defaults() -> tuple[int, int, bool, str]:
     if DEVICE != "cuda":
-        return (0, 1, True)
-    from engine.attention.flashinfer_backend import FlashInferAttention
+        return (0, 1, True, "fa2")
+    from engine.attention.flashinfer_backend import FlashInferAttention as FI
     from engine.kernels import qkv
 
-    return ModelRunner.piecewise_max_tokens, qkv.NUM_WARPS, FlashInferAttention.prefill_split_kv
+    return ModelRunner.piecewise_max_tokens, qkv.NUM_WARPS, FI.prefill_split_kv, FI.prefill_backend
 
 
 def engine(model: str, **kw: Any) -> LLM:
@@ -326,7 +328,7 @@ def chunked(model: str, out: dict[str, Any], variant: str, md: list[str]) -> Non
     the GPU tests judge them (a near-tie within 4 RMS of the two runs' logit difference)."""
     import random
 
-    from engine.checks.greedy import compare_greedy, trace_run
+    from engine.checks.greedy import trace_run
 
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(200, 1200))] for _ in range(32)]
@@ -336,18 +338,49 @@ def chunked(model: str, out: dict[str, Any], variant: str, md: list[str]) -> Non
     ref = trace_run(whole, prompts, params)
     del whole
     free()
-    for policy, budget in (("mixed", 128), ("prefill_first", 512), ("mixed", 576)):
-        llm = engine(model, max_extend_tokens=budget, policy=policy, **kw)
-        counts = compare_greedy(ref, trace_run(llm, prompts, params), 32)
-        row = dict(variant=variant, policy=policy, budget=budget, **counts)
-        out.setdefault("chunked", []).append(row)
-        md.append(
-            f"| {variant} | {policy}, {budget} | {counts['same']} | {counts['ties']} | "
-            f"{counts['mismatches']} | {counts['worst_rel_err']:.4f} |"
-        )
-        print(md[-1], flush=True)
+    runs: dict[str, Any] = {}
+    saved = ModelRunner.piecewise_max_tokens
+    # the last run: budget 576 with the piecewise graphs off (the same chunks, no padding)
+    for policy, budget, pieces in (
+        ("mixed", 128, saved), ("prefill_first", 512, saved), ("mixed", 576, saved),
+        ("mixed", 576, 0),
+    ):  # fmt: skip
+        ModelRunner.piecewise_max_tokens = pieces
+        try:
+            llm = engine(model, max_extend_tokens=budget, policy=policy, **kw)
+        finally:
+            ModelRunner.piecewise_max_tokens = saved
+        name = f"{policy}, {budget}" + ("" if pieces else " (piecewise graphs off)")
+        runs[name] = trace_run(llm, prompts, params)
         del llm
         free()
+        _chunked_row(out, md, variant, name, ref, runs[name])
+    # the padding alone: the same chunks with the graphs on against off
+    a, b = runs["mixed, 576 (piecewise graphs off)"], runs["mixed, 576"]
+    _chunked_row(out, md, variant, "mixed, 576: graphs on vs off", a, b)
+
+
+def _chunked_row(out: dict[str, Any], md: list[str], variant: str, name: str, ref: Any,
+                 got: Any) -> None:  # fmt: skip
+    """One row of the chunked table, and each divergence's top-2 gap over the runs' noise."""
+    from engine.checks.greedy import compare_greedy, tie_margin
+
+    counts = compare_greedy(ref, got, 32)
+    where = []
+    for k, (a, b) in enumerate(zip(ref, got, strict=True)):
+        j = next(
+            (i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y), None
+        )
+        if j is not None:
+            gap, noise = tie_margin(a.logits[j], b.logits[j], a.tokens[j], b.tokens[j])
+            where.append(dict(prompt=k, token=j, gap=gap, noise=noise, ratio=gap / noise))
+    out.setdefault("chunked", []).append(dict(variant=variant, run=name, **counts, at=where))
+    md.append(
+        f"| {variant} | {name} | {counts['same']} | {counts['ties']} | "
+        f"{counts['mismatches']} | {counts['worst_rel_err']:.4f} | "
+        + ", ".join(f"p{w['prompt']}@{w['token']}: {w['ratio']:.1f}" for w in where) + " |"
+    )  # fmt: skip
+    print(md[-1], flush=True)
 
 
 def copy_bandwidth() -> float:
@@ -458,9 +491,10 @@ def stall(model: str, out: dict[str, Any], variant: str, md: list[str]) -> None:
     free()
 
 
-def jit_warmup() -> float:
+def jit_warmup(fa3: bool = False) -> float:
     """Build FlashInfer's JIT modules (norm, RoPE, SiLU, attention and decode for head dims 128
-    and 64) in parallel threads, not one by one at first use; seconds taken."""
+    and 64, and with `fa3` Hopper's prefill for 128) in parallel threads, not one by one at
+    first use; seconds taken."""
     from concurrent.futures import ThreadPoolExecutor
 
     from flashinfer.jit.activation import gen_act_and_mul_module
@@ -473,6 +507,10 @@ def jit_warmup() -> float:
     for d in (128, 64):
         specs.append(gen_batch_prefill_module("fa2", bf, bf, bf, i32, d, d, 0, False, False, False))
         specs.append(gen_batch_decode_module(bf, bf, bf, i32, d, d, 0, False, False))
+    if fa3:
+        specs.append(
+            gen_batch_prefill_module("fa3", bf, bf, bf, i32, 128, 128, 0, False, False, False)
+        )
     # built already (an earlier process on this machine): ninja would still take ~a minute
     specs = [spec for spec in specs if not spec.is_compiled]
     t = time.perf_counter()
@@ -487,7 +525,7 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}" if v < 100 else f"{v:.0f}"
 
 
-DEFAULTS: tuple[int, int, bool] = (0, 1, True)
+DEFAULTS: tuple[int, int, bool, str] = (0, 1, True, "fa2")
 
 
 def main() -> None:
@@ -511,7 +549,7 @@ def main() -> None:
     out: dict[str, Any] = {"device": name, "torch": torch.__version__}
     md = [f"# bench_prefill_gpu ({' '.join(sys.argv[1:])})", "", f"device {out['device']}"]
     if DEVICE == "cuda":
-        out["jit_s"] = jit_warmup()
+        out["jit_s"] = jit_warmup(any("fa3" in v for v in args.variants.split(",")))
         print(f"FlashInfer JIT: {out['jit_s']:.0f} s", flush=True)
     bw = copy_bandwidth() if "decode" in sections and DEVICE == "cuda" else 1e11
     out["copy_bw"] = bw
@@ -526,7 +564,8 @@ def main() -> None:
         "decode": f"(copy rate {bw / 1e12:.2f} TB/s)\n\n| variant | batch | period ms | floor ms "
         "| period / floor |\n|---|---|---|---|---|",
         "chunked": "| variant | chunked run | same tokens | near-tie | clear winner | worst "
-        "logits error before divergence |\n|---|---|---|---|---|---|",
+        "logits error before divergence | divergences: prompt@token: gap / noise |"
+        "\n|---|---|---|---|---|---|---|",
         "stall": "| variant | policy | budget | long TTFT ms | steady ITL ms | ITL p50 | p99 | max "
         "| max / steady |\n|---|---|---|---|---|---|---|---|---|",
     }

@@ -66,6 +66,11 @@ class FlashInferAttention(AttentionBackend):
     # Let FlashInfer split a prefill's KV across CTAs (and merge the parts) when the batch has
     # too few query tiles to fill the GPU; False plans every prefill and mixed step unsplit.
     prefill_split_kv: bool = True
+    # FlashInfer's prefill kernel family: "fa2" (the default: its module also serves the
+    # tensor-core decode wrapper, one JIT build for both) or "fa3" (Hopper's wgmma/TMA kernels,
+    # a second JIT build; no split-KV). scripts/bench_prefill_gpu.py's `piecewise-fa3` sets it;
+    # on the H200 (issue 29, call AC) that engine gave no step within 100 s: not diagnosed.
+    prefill_backend: str = "fa2"
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
@@ -73,10 +78,8 @@ class FlashInferAttention(AttentionBackend):
         self.dtype = pool.k.dtype
         self.page_size = pool.page_size
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        # fa2 for prefill too: the tensor-core decode wrapper runs the same compiled module,
-        # so one JIT build serves both
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2"
+            self.workspace, "NHD", backend=self.prefill_backend
         )
         tc = self.decode_tensor_cores
         self.tensor_cores = num_heads // num_kv_heads >= 4 if tc is None else tc
