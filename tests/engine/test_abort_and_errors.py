@@ -87,7 +87,9 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama_dir) -> None:
     with pytest.raises(InvalidRequest, match="unknown policy"):
         llm.set_config(policy="shortest_first")
     assert llm.config_dict() == {
-        "max_extend_tokens": 256, "policy": "prefill_first", "admission": "reserve"
+        "max_extend_tokens": 256,
+        "policy": "prefill_first",
+        "admission": "reserve",
     }
     # a bad prompt among good ones queues none of them
     with pytest.raises(InvalidRequest):

@@ -103,7 +103,11 @@ def test_every_run_is_a_server_trace_of_the_same_workload(sweep_dir: Path) -> No
     for (policy, budget), msgs in runs.items():
         hello = msgs[0]
         assert hello["type"] == "hello" and hello["seq"] == -1
-        assert hello["config"] == {"max_extend_tokens": budget, "policy": policy, "admission": "reserve"}
+        assert hello["config"] == {
+            "max_extend_tokens": budget,
+            "policy": policy,
+            "admission": "reserve",
+        }
         assert hello["engine"]["instance"]
         seqs = [m["seq"] for m in msgs[1:]]
         assert seqs == list(range(len(seqs)))  # every broadcast, numbered as the publisher does
