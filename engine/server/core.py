@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import gc
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # so the engine build keeps it
     for port in (args.port, args.http_port):
         try:  # fail before a long model load, not after it
             if port is not None:
