@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from instrumentation.metrics import percentile  # noqa: E402
+from instrumentation.metrics import gaps, percentile  # noqa: E402
 
 
 @dataclass
@@ -74,18 +74,15 @@ def engine_args(args: argparse.Namespace, model: str, running: int) -> dict[str,
 
 
 def engine_itl(steps: list[Any]) -> list[float]:
-    """Every request's gaps between the completions of the steps that gave it a token: the ITL
-    the engine alone gives this load, to set beside the HTTP client's."""
-    last: dict[int, float] = {}
-    gaps = []
+    """Every request's gaps between the completions of the steps that gave it a token (its
+    prompt's last piece, then its decodes): the ITL the engine alone gives this load, to set
+    beside the HTTP client's (instrumentation.metrics.gaps, the one definition of a gap)."""
+    times: dict[int, list[float]] = {}
     for s in steps:
         for item in s.items:
-            if item.kind != "decode":
-                continue
-            if item.uid in last:
-                gaps.append(s.t1 - last[item.uid])
-            last[item.uid] = s.t1
-    return gaps
+            if item.samples:
+                times.setdefault(item.uid, []).append(s.t1)
+    return [g for ts in times.values() for g in gaps(ts)]
 
 
 def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab: int) -> dict:
