@@ -115,12 +115,12 @@ def read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
 
 
 def load_tokenizer(path: Path, progress: bool = True) -> Any:
-    from transformers import AutoTokenizer
+    from engine.tokenizer import load_tokenizer_at
 
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer_at(path)
     # a config-only directory (dummy weights): borrow the bundled model's tokenizer
-    return AutoTokenizer.from_pretrained(resolve(BUNDLED, progress=progress).path)
+    return load_tokenizer_at(resolve(BUNDLED, progress=progress).path)
 
 
 def build_model(

@@ -41,7 +41,10 @@ class RotaryEmbedding(torch.nn.Module):
         # FlashInfer's layout, [positions, cos half | sin half]; a plain attribute, not a
         # buffer, so that casting the model to bf16 leaves it float32 as the kernel requires
         self.cos_sin: torch.Tensor | None = None
-        self.build_table(self.cos.device)
+        # built on the meta device, the model gets its table after `to_empty` (build_model); meta
+        # arithmetic here would only import torch._dynamo (about 1 s of every engine start)
+        if self.cos.device.type != "meta":
+            self.build_table(self.cos.device)
 
     def build_table(self, device: torch.device) -> None:
         """(Re)compute the table, e.g. after the model was built on the meta device."""

@@ -124,7 +124,9 @@ def main() -> int:
         stop.set()
 
     engine.on_gone = gone
-    from transformers import AutoTokenizer  # while the engine loads its model
+    import transformers  # noqa: F401  (imported while the engine loads its model)
+
+    from engine.tokenizer import load_tokenizer_at
 
     try:
         facts = engine.connect(stop)
@@ -132,7 +134,7 @@ def main() -> int:
         facts = None
     if facts is None:
         return 0  # stopped before the engine was ready (it says why, if it failed)
-    engine.tokenizer = AutoTokenizer.from_pretrained(facts.tokenizer)
+    engine.tokenizer = load_tokenizer_at(facts.tokenizer)
     server = ApiServer(engine, settings)
     try:
         server.start()

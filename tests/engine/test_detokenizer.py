@@ -47,3 +47,28 @@ def test_a_wrapper_without_len_uses_its_own_decode(smollm2_dir) -> None:
     d = IncrementalDetokenizer(_Wrapper(tok))
     ids = tok.encode(TEXT)
     assert "".join(d.push(i) for i in ids) == tok.decode(ids) == d.text()
+
+
+def test_the_direct_tokenizer_load_is_autotokenizers(smollm2_dir, tmp_path) -> None:
+    """engine.tokenizer skips AutoTokenizer for a generic fast tokenizer: the same class, ids,
+    special tokens and chat template; any other class still goes through AutoTokenizer."""
+    import json
+    import shutil
+
+    from engine.tokenizer import load_tokenizer_at
+
+    auto, direct = AutoTokenizer.from_pretrained(smollm2_dir), load_tokenizer_at(smollm2_dir)
+    assert type(direct) is type(auto)
+    assert direct.encode(TEXT) == auto.encode(TEXT)
+    assert direct.all_special_ids == auto.all_special_ids and direct.eos_token == auto.eos_token
+    chat = [{"role": "user", "content": TEXT}]
+    assert direct.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(
+        chat, tokenize=False
+    )
+    other = tmp_path / "gpt2-class"
+    shutil.copytree(smollm2_dir, other, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(
+        json.dumps(cfg | {"tokenizer_class": "GPT2Tokenizer"})
+    )
+    assert load_tokenizer_at(other).encode(TEXT) == auto.encode(TEXT)

@@ -26,11 +26,20 @@ from engine.checks.greedy import last_logits, rel_err
 @pytest.fixture
 def float32_accumulating_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
     linear = torch.nn.functional.linear
+    # each weight's float32 copy, made once: converting all 135M parameters on every forward was
+    # most of this test's time (192 forwards)
+    wide_weights: dict[tuple[int, torch.Size], torch.Tensor] = {}
+
+    def widen(w: torch.Tensor) -> torch.Tensor:
+        key = (w.data_ptr(), w.shape)
+        if key not in wide_weights:
+            wide_weights[key] = w.float()
+        return wide_weights[key]
 
     def widened(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             return linear(x, w, b)
-        return linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        return linear(x.float(), widen(w), None if b is None else widen(b)).to(x.dtype)
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
