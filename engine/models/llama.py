@@ -269,6 +269,13 @@ class CausalLM(nn.Module):
             return self.model.norm(residual if h is None else h)
         return self.model.norm.add_forward(h, residual)[0]
 
+    def prepack(self) -> None:
+        """Reorder every projection's weight for the CPU matmul (Linear.prepack), once the
+        weights are loaded."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepack()
+
     def set_batch_invariant(self, on: bool) -> None:
         for m in self.modules():
             if isinstance(m, Linear):
