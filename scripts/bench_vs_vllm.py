@@ -182,15 +182,17 @@ def start(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Path) -
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs",
-               str(args.in_flight), "--max-num-batched-tokens", str(args.budget),
-               "--enable-logging-iteration-details"]  # fmt: skip
+               str(args.in_flight), "--max-num-batched-tokens", str(args.budget)]  # fmt: skip
+        if args.step_log:
+            cmd.append("--enable-logging-iteration-details")
         model = "bench"
     else:
         cmd = [sys.executable, "-m", "engine.server", "--model", str(model_dir), "--port", "0",
                "--http-port", str(port), "--dtype", "float32", "--max-running-req",
                str(args.in_flight), "--max-extend-tokens", str(args.budget), "--policy",
-               args.policy, "--threads", str(args.threads), "--max-seq-len", "2048",
-               "--trace", str(log_dir / "stepscope-trace.jsonl")]  # fmt: skip
+               args.policy, "--threads", str(args.threads), "--max-seq-len", "2048"]  # fmt: skip
+        if args.step_log:  # every message, tokens too: it costs the server some CPU
+            cmd += ["--trace", str(log_dir / "stepscope-trace.jsonl")]
         model = model_dir.name
     out = log.open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -199,7 +201,7 @@ def start(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Path) -
     except BaseException:
         proc.terminate()
         raise
-    return Server(name, proc, url, model, log_dir)
+    return Server(name, proc, url, model, log_dir, args.step_log)
 
 
 @dataclass
@@ -209,6 +211,7 @@ class Server:
     url: str
     model: str
     log_dir: Path
+    step_log: bool
 
     def step_source(self) -> Path:
         """Where the server writes one line per step: vLLM's iteration log, stepscope's trace."""
@@ -216,6 +219,8 @@ class Server:
 
     def step_times(self, lo: int, hi: int) -> list[tuple[int, float]]:
         """(prompt tokens, seconds) of each step written between byte offsets lo and hi."""
+        if not self.step_log:
+            return []
         with self.step_source().open("rb") as f:
             f.seek(lo)
             text = f.read(hi - lo).decode(errors="replace")
@@ -277,6 +282,7 @@ def measure(server: Server, ps: list[list[int]], args: argparse.Namespace) -> Ru
     """One run against `server`, with what else loaded the machine meanwhile: the CPU that
     neither the server nor this client used, in cores, and the 1-minute load average after."""
     src = server.step_source()
+    src.touch()
     lo, busy0, mine0 = src.stat().st_size, machine_busy_s(), server.tree_cpu_s()
     client0 = sum(os.times()[:2])
     run = asyncio.run(load(server.url, server.model, ps, args.output_len, args.in_flight,
@@ -318,6 +324,12 @@ def main() -> int:
         "--same-prompts",
         action="store_true",
         help="every run sends run 1's prompts (from run 2 on, prefix-cache hits)",
+    )
+    p.add_argument(
+        "--step-log",
+        action="store_true",
+        help="log every step: vLLM's --enable-logging-iteration-details, stepscope's --trace "
+        "(which records every token message too, at some CPU cost); adds step times to the table",
     )
     p.add_argument(
         "--log-dir",
@@ -364,6 +376,11 @@ def main() -> int:
     for i in range(args.runs):
         for runs in results.values():
             print(summary(runs[i]))
+    print("\nthe 12 longest inter-token gaps of each run (ms; ITL p99 is about the 8th of them):")
+    for i in range(args.runs):
+        for name, runs in results.items():
+            top = sorted(runs[i].itl, reverse=True)[:12]
+            print(f"run {i + 1} {name}: " + " ".join(f"{t * 1e3:.0f}" for t in top))
     if len(results) == 2:
         v, s = results["vllm"], results["stepscope"]
         same = total = 0
