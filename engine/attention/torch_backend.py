@@ -29,7 +29,7 @@ class _Seq:
 @dataclass(frozen=True, slots=True)
 class _Decodes:
     q_index: torch.Tensor  # [B] rows of q that are one-token decodes
-    kv_slots: torch.Tensor  # [B, L] padded with slot 0
+    kv_slots: torch.Tensor  # [B * L]: each decode's L slots, padded with slot 0
     mask: torch.Tensor  # [B, 1, 1, L]: True where a key exists
 
 
@@ -88,7 +88,7 @@ class TorchAttention(AttentionBackend):
         slots = layout.table.slots[rows, :longest].masked_fill(~keep, 0)
         return _Decodes(
             q_index=torch.tensor([qo[i] for i, _, _ in dec], device=device),
-            kv_slots=slots.to(device, non_blocking=True),
+            kv_slots=slots.flatten().to(device, non_blocking=True),
             mask=keep[:, None, None, :].to(device, non_blocking=True),
         )
 
@@ -108,8 +108,10 @@ class TorchAttention(AttentionBackend):
             out[s.q0 : s.q1] = oi[0].transpose(0, 1)
         if (d := meta.decodes) is not None:
             qd = q.index_select(0, d.q_index).unsqueeze(2)  # [B, Hq, 1, D]
-            kd = k_all[d.kv_slots].transpose(1, 2)  # [B, Hk, L, D]
-            vd = v_all[d.kv_slots].transpose(1, 2)
+            # index_select on flat slots: on CPU ~10x faster than indexing with a [B, L] tensor
+            shape = (d.mask.shape[0], d.mask.shape[-1], *k_all.shape[1:])  # [B, L, Hk, D]
+            kd = k_all.index_select(0, d.kv_slots).view(shape).transpose(1, 2)  # [B, Hk, L, D]
+            vd = v_all.index_select(0, d.kv_slots).view(shape).transpose(1, 2)
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=d.mask, scale=self.scale, enable_gqa=True
             )

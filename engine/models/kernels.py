@@ -25,14 +25,18 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's norm/RoPE/activat
 # launch, engine/kernels/pdl.py). STEPSCOPE_UNFUSED=qkv,gemv,fold,decode,pdl turns them off from
 # the start; `set_unfused` in-process.
 DECODE_KERNELS = ("qkv", "gemv", "fold", "decode", "pdl")
+# On CPU: "onednn", the float32 matmuls through oneDNN on weights reordered once at load
+# (`onednn_weight`), in place of F.linear's BLAS
+CPU_KERNELS = ("onednn",)
+KERNELS = DECODE_KERNELS + CPU_KERNELS
 _unfused: frozenset[str] = frozenset()
 
 
 def set_unfused(names: tuple[str, ...] | list[str]) -> None:
     global _unfused
-    unknown = set(names) - set(DECODE_KERNELS)
+    unknown = set(names) - set(KERNELS)
     if unknown:
-        raise ValueError(f"unknown kernels {sorted(unknown)}; expected some of {DECODE_KERNELS}")
+        raise ValueError(f"unknown kernels {sorted(unknown)}; expected some of {KERNELS}")
     _unfused = frozenset(names)
     from engine.kernels import pdl  # torch only: Triton loads when a kernel first launches
 
@@ -133,6 +137,34 @@ def _triton_module(name: str) -> ModuleType | None:
     except Exception as e:  # as for FlashInfer: anything a broken install raises
         log.warning("decode kernel %s off, the unfused path instead: %s", name, e)
         return None
+
+
+# The row count oneDNN reorders a weight for: a prompt step's (it barely matters: decode steps of 8
+# rows and prompt steps of 2,048 ran as fast on weights reordered for 128, 512 or 2,048 rows)
+ONEDNN_PACK_ROWS = 512
+
+
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` reordered into oneDNN's blocked layout, for `onednn_linear`, when it is a float32
+    CPU weight and torch has oneDNN; else None. On CPU, F.linear's float32 matmul is BLAS (MKL
+    in torch's wheels), which takes a slow path on AMD CPUs: oneDNN's runs 2-5x faster there at
+    every row count (SmolLM2's projections, 1 to 2,048 rows, 2 threads), as vLLM's CPU backend
+    does. Its sums are ordered differently, so results differ from BLAS's in the last bits."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or "onednn" in _unfused:
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_PACK_ROWS)
+
+
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x @ W.T + bias with W reordered by `onednn_weight`; None where x cannot use it (another
+    device or dtype, or `onednn` turned off since the weight was reordered)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or "onednn" in _unfused:
+        return None
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from engine.models.parallel import (
     TPRank,
     VocabParallelEmbedding,
 )
-from engine.models.rope import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding, StepRope
 
 if TYPE_CHECKING:
     from engine.kvcache.pool import KVPool
@@ -58,10 +58,12 @@ class RMSNorm(nn.Module):
         if wide and (tk := wide_norm(x)) is not None:
             return tk.add_rmsnorm(None, x, self.weight, self.eps)
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Hugging Face's ops in its order; the products are new tensors, so scaling them in
+        # place (a product commutes exactly) saves allocations
+        x = x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         if wide:  # from a float32 residual stream: scale in float32, round once
-            return (self.weight.float() * x).to(dtype)
-        return self.weight * x.to(dtype)  # as Hugging Face rounds
+            return x.mul_(self.weight.float()).to(dtype)
+        return x.to(dtype).mul_(self.weight)  # as Hugging Face rounds
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -75,7 +77,10 @@ class RMSNorm(nn.Module):
             return x, residual
         if (tk := wide_norm(residual)) is not None:  # in place, as the fused kernel above
             return tk.add_rmsnorm(x, residual, self.weight, self.eps), residual
-        residual = x + residual
+        if x.dtype == residual.dtype:  # into x, this layer's new output (the sum commutes)
+            residual = x.add_(residual)
+        else:  # a float32 residual stream: the sum in float32
+            residual = x + residual
         return self(residual), residual
 
 
@@ -100,7 +105,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: StepRope,
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
@@ -110,7 +115,7 @@ class Attention(nn.Module):
         self,
         qkv: torch.Tensor,
         positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: StepRope,
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
@@ -138,12 +143,18 @@ class Attention(nn.Module):
             out = backend.forward(q, None, None, self.layer_id, meta)
             return self.o_proj(out.reshape(n, -1))
         q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)  # on CUDA in place, into qkv's storage or the norms' output
+        if self.q_norm is None and not rope.fused(qkv):
+            # q and k lie side by side in qkv: one rotation for both heads' sets
+            qk = qkv[:, : self.split[0] + self.split[1]].view(n, -1, self.head_dim)
+            qk = rope.rotate(qk)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope(q, k)  # on CUDA in place, into qkv's storage or the norms' output
         out = backend.forward(q, k, v, self.layer_id, meta)
         return self.o_proj(out.reshape(n, -1))
 
@@ -161,7 +172,7 @@ class MLP(nn.Module):
         if fi is not None:
             return self.down_proj(fi.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(nn.functional.silu(gate).mul_(up))  # silu's output is new
 
 
 class DecoderLayer(nn.Module):
@@ -177,7 +188,7 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor | None,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: StepRope,
         backend: AttentionBackend,
         meta: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,11 +274,19 @@ class CausalLM(nn.Module):
         residual = None
         if self.residual_dtype is not None and h is not None and h.dtype != self.residual_dtype:
             residual, h = h.to(self.residual_dtype), None
+        rope = self.rope.at(positions)
         for layer in self.model.layers:
-            h, residual = layer(h, residual, positions, self.rope, backend, meta)
+            h, residual = layer(h, residual, positions, rope, backend, meta)
         if h is None or residual is None:  # no layers
             return self.model.norm(residual if h is None else h)
         return self.model.norm.add_forward(h, residual)[0]
+
+    def prepack(self) -> None:
+        """Reorder every projection's weight for the CPU matmul (Linear.prepack), once the
+        weights are loaded."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepack()
 
     def set_batch_invariant(self, on: bool) -> None:
         for m in self.modules():

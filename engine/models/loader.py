@@ -144,7 +144,9 @@ def build_model(
         _init_random(model, seed)
     else:
         _load_weights(model, path, cfg, progress)
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    model.prepack()
+    return model
 
 
 def _init_random(model: CausalLM, seed: int) -> None:

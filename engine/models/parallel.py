@@ -25,7 +25,14 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.kernels import device_name, folded_gemv, invariant_linear, skinny_gemv
+from engine.models.kernels import (
+    device_name,
+    folded_gemv,
+    invariant_linear,
+    onednn_linear,
+    onednn_weight,
+    skinny_gemv,
+)
 
 
 def split(n: int, size: int, rank: int) -> tuple[int, int]:
@@ -186,13 +193,22 @@ def copy_part(dst: torch.Tensor, part: torch.Tensor, offset: int, s: Sections) -
 class Linear(nn.Linear):
     """nn.Linear whose matmul is the batch-invariant Triton kernel when `batch_invariant` is set
     (CausalLM.set_batch_invariant): each row's result then ignores how many rows came with it.
-    Column-parallel layers are plain Linears over the rank's output rows."""
+    Column-parallel layers are plain Linears over the rank's output rows. On CPU, `prepack`
+    reorders the weight once for oneDNN's matmul (engine.models.kernels.onednn_weight)."""
 
     batch_invariant = False
+    packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU, float32)
+
+    def prepack(self) -> None:
+        """Reorder the loaded weight for oneDNN when it runs there; call again after the
+        weight changes (the reordered copy does not follow it)."""
+        self.packed = onednn_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return invariant_linear()(x, self.weight, self.bias)
+        if self.packed is not None and (y := onednn_linear(x, self.packed, self.bias)) is not None:
+            return y
         if (g := skinny_gemv(x)) is not None:  # a few rows on CUDA: decode at small batch
             n, k = self.weight.shape
             cfg = g.choose(n, k, x.numel() // k, device_name(x.device))

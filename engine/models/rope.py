@@ -61,19 +61,49 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hk, D]
+        return self.at(positions)(q, k)
+
+    def at(self, positions: torch.Tensor) -> StepRope:
+        """The embedding at one step's positions, for all of the step's layers."""
+        return StepRope(self, positions)
+
+
+class StepRope:
+    """The rotary embedding at one step's positions, shared by every layer of the step: the
+    table rows are gathered once (by the first layer that needs them), not once per layer."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.rope, self.positions = rope, positions
+        self.cos_sin = rope.cos_sin  # the fused CUDA kernel's table (None elsewhere)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fused(self, q: torch.Tensor) -> bool:
+        """Whether q and k are rotated in place by FlashInfer's kernel."""
+        return self.cos_sin is not None and fused_kernels(q) is not None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fi = fused_kernels(q)
         if fi is not None and self.cos_sin is not None:
             # in place, one kernel for q and k; strided views (of the qkv output) are fine
             fi.apply_rope_with_cos_sin_cache_inplace(
-                positions, q, k, q.shape[-1], self.cos_sin, is_neox=True
+                self.positions, q, k, q.shape[-1], self.cos_sin, is_neox=True
             )
             return q, k
-        # the table is float32, cast like HF does
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(q), self.rotate(k)
 
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated as Hugging Face does, x * cos + rotate_half(x) * sin, bit for
+        bit: rotate_half(x) = [-x2, x1] is roll(x, D/2) times [-1 | 1], and the sign is folded
+        into the sin table (negating a factor of a product is exact). Two passes fewer."""
+        cos, signed_sin = self._at(x.dtype)
+        return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    def _at(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None or self._tables[0].dtype != dtype:
+            # the table is float32, cast like HF does
+            cos = self.rope.cos.index_select(0, self.positions).to(dtype)
+            sin = self.rope.sin.index_select(0, self.positions).to(dtype)
+            half = sin.shape[-1] // 2
+            signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+            self._tables = (cos.unsqueeze(1), signed.unsqueeze(1))
+        return self._tables
