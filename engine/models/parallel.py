@@ -198,17 +198,26 @@ class Linear(nn.Linear):
 
     batch_invariant = False
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU, float32)
+    packed_version = -1  # the weight's version counter when `packed` was made
 
     def prepack(self) -> None:
-        """Reorder the loaded weight for oneDNN when it runs there; call again after the
-        weight changes (the reordered copy does not follow it)."""
+        """Reorder the loaded weight for oneDNN when it runs there."""
         self.packed = onednn_weight(self.weight)
+        self.packed_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return invariant_linear()(x, self.weight, self.bias)
-        if self.packed is not None and (y := onednn_linear(x, self.packed, self.bias)) is not None:
-            return y
+        if self.packed is not None:
+            if self.weight._version != self.packed_version:
+                # written in place since (load_state_dict, a test's copy_): reorder it again,
+                # or the matmul would use the old values
+                self.prepack()
+            if (
+                self.packed is not None
+                and (y := onednn_linear(x, self.packed, self.bias)) is not None
+            ):
+                return y
         if (g := skinny_gemv(x)) is not None:  # a few rows on CUDA: decode at small batch
             n, k = self.weight.shape
             cfg = g.choose(n, k, x.numel() // k, device_name(x.device))

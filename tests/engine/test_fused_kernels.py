@@ -327,3 +327,22 @@ def test_norm_gemv_refuses_a_residual_wider_than_the_weights() -> None:
     nw = torch.ones(16, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(AssertionError):
         norm_gemv(res.to(torch.bfloat16), res, nw, 1e-6, w, None, Config(8, 16))
+
+
+def test_the_cpu_matmuls_reordered_weights_follow_in_place_writes() -> None:
+    """A float32 CPU Linear keeps its weight reordered for oneDNN; a later in-place write
+    (load_state_dict, copy_) must reach the matmul, not leave it on the old values."""
+    from engine.models.parallel import Linear
+
+    layer = Linear(64, 32)
+    layer.prepack()
+    x = torch.randn(5, 64)
+    for write in ("copy_", "load_state_dict"):
+        new = {k: torch.randn_like(v) for k, v in layer.state_dict().items()}
+        if write == "copy_":
+            with torch.no_grad():
+                layer.weight.copy_(new["weight"])
+        else:
+            layer.load_state_dict(new)
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
