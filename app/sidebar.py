@@ -29,7 +29,14 @@ class Target:
 
 
 def _on_url(target: Target) -> None:
-    target.url = str(session.URL.get()).strip()
+    url = str(session.URL.get()).strip()
+    if not url:
+        # No engine is reachable at "": keep the one every tab follows. (A browser whose URL box
+        # was redrawn empty by a rerun sends "" with its next click, seen on the fleet page after
+        # Apply; taking it would move every tab of the process to "no engine URL".)
+        session.URL.set(target.url)
+        return
+    target.url = url
 
 
 # ---- callbacks (run before the script, so widget state can still be changed) -----------------

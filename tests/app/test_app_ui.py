@@ -336,6 +336,14 @@ def test_an_invalid_url_is_explained(app: AppTest) -> None:
     assert any("must start with ws://" in t for t in texts(app.error))
 
 
+def test_an_emptied_url_keeps_the_engine_every_tab_follows(app: AppTest, peer: AppPeer) -> None:
+    app.text_input(key="url").input("").run()
+    assert app.text_input(key="url").value == peer.url
+    assert not any("must start with ws://" in t for t in texts(app.error))
+    app.select_slider(key="budget_slider").set_value(128).run()  # still talking to the peer
+    assert [c["max_extend_tokens"] for c in peer.received("set_config")] == [128]
+
+
 def test_a_url_change_in_one_tab_moves_every_tab(app: AppTest, peer: AppPeer) -> None:
     other_tab = AppTest.from_file(APP, default_timeout=30)
     other_tab.run()
