@@ -18,13 +18,24 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+# The browser tests in two queues, by file (about equal time each). Each drives an engine, a
+# Streamlit server and chromium, and spends most of its time waiting on the page (a CI run used
+# 1.45 of its 2 cores), so one queue per worker keeps both busy; all in one queue made the
+# browser tests the suite's long pole (350-460 s of a 570 s run).
+BROWSER_QUEUES = {
+    "test_browser_live.py": "browser-a",
+    "test_browser_first_minute.py": "browser-a",
+    "test_browser_watch.py": "browser-a",
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # With `-n 2` (pytest-xdist, `--dist loadgroup`), the browser tests run one after another on
-    # one worker: each drives an engine, a Streamlit server and chromium, and two at once on two
-    # cores starve each other's pages.
+    # With `-n 2` (pytest-xdist, `--dist loadgroup`), each queue runs one test at a time on one
+    # worker.
     for item in items:
         if item.get_closest_marker("browser"):
-            item.add_marker(pytest.mark.xdist_group("browser"))
+            queue = BROWSER_QUEUES.get(item.path.name, "browser-b")
+            item.add_marker(pytest.mark.xdist_group(queue))
 
 
 @pytest.fixture(scope="session")
