@@ -110,6 +110,10 @@ def _check_retractions(seen: list[Msg]) -> None:
                     assert pieces, "no recompute after a retraction"
                     break
                 pieces += mine
+                if pieces and pieces[-1].get("sample"):
+                    # the recompute ended here; a request retracted again at once (the most
+                    # recently admitted goes first) recomputes anew, under its next event
+                    break
         assert not token_before, "a token came before the recompute ended"
         assert pieces[0]["start"] == readmit["cached_len"]
         assert pieces[-1]["end"] == ev["recompute_len"] and pieces[-1].get("sample")
