@@ -8,6 +8,10 @@
 #   bash scripts/gpu_issue29.sh OUT second   # right after: the fa3 lever before/after (chunk
 #       # and mixed steps, per kernel); then SmolLM2's greedy tokens on real weights against
 #       # Hugging Face beside the GPU tests the first call did not reach
+# Exactness alone, in two calls on one warm machine (Must show 3):
+#   bash scripts/gpu_issue29.sh OUT tests     # FlashInfer's JIT, then every GPU test
+#   bash scripts/gpu_issue29.sh OUT smollm2   # right after: SmolLM2 against Hugging Face bf16,
+#       # then any GPU test the first call did not reach
 # Carried, in $CARRY (the machine has no internet): whl/ (flashinfer-python 0.5.3,
 # apache-tvm-ffi 0.1.15.post2, websockets, gguf) and ss.tgz (a tokenizer-only copy of the
 # converted SmolLM2, which the dummy-weight configs borrow) in the first call; the bundled GGUF
@@ -85,6 +89,24 @@ case $CALL in
     GREEDY=$!
     gpu_tests 240 /tmp/persist/passed.txt
     wait $GREEDY; tail -5 "$OUT/smollm2.log"
+    ;;
+  tests)
+    echo "=== jit $(since) s"
+    python3 -c "import runpy; m = runpy.run_path('$B'); print('JIT s', m['jit_warmup']())" 2>&1 | tail -1
+    echo "=== pytest $(since) s"
+    gpu_tests $((560 - $(since))) none
+    cp "$OUT/passed.txt" /tmp/persist/passed.txt
+    ;;
+  smollm2)
+    echo "=== SmolLM2 $(since) s"
+    cat /tmp/persist/gguf.partaa /tmp/persist/gguf.partab > /tmp/smollm2.gguf || exit 4
+    export SMOLLM2_GGUF=/tmp/smollm2.gguf
+    timeout 420 python3 -m scripts.gpu_check --out "$OUT/smollm2" --deadline-s 400 \
+      --smollm2-greedy-only --sections smollm2 > "$OUT/smollm2.log" 2>&1
+    tail -30 "$OUT/smollm2.log"
+    pack
+    echo "=== GPU tests not reached $(since) s"
+    gpu_tests $((570 - $(since))) /tmp/persist/passed.txt
     ;;
   *) echo "unknown call $CALL" >&2; exit 2 ;;
 esac
