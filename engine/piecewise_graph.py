@@ -21,6 +21,7 @@ at a time); the graphs share one memory pool, captured largest first.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -90,6 +91,11 @@ class CutAtAttention(AttentionBackend):
         raise NotImplementedError("the piecewise capture backend does not attend")
 
 
+def runs_between_pieces(backend: AttentionBackend) -> bool:
+    """Whether `backend` can attend eagerly between graph pieces (`attend_into`)."""
+    return callable(getattr(backend, "attend_into", None))
+
+
 class PiecewiseGraphs:
     def __init__(
         self,
@@ -100,7 +106,7 @@ class PiecewiseGraphs:
         device: torch.device,
     ) -> None:
         attend_into = getattr(backend, "attend_into", None)
-        if attend_into is None:
+        if not runs_between_pieces(backend):
             raise TypeError(f"the {backend.name} attention backend cannot run between pieces")
         self.model, self.backend, self.pad_slot = model, backend, pad_slot
         self.attend_into: Callable[..., None] = attend_into
@@ -131,6 +137,23 @@ class PiecewiseGraphs:
     def _capture(self, device: torch.device) -> None:
         cut = CutAtAttention(self.backend, self.queries, self.attn_out, self.slots)
         pool = torch.cuda.graph_pool_handle()
+        # As torch.cuda.graph does around its one capture: a finalizer run by the collector
+        # mid-capture (an earlier engine's tensors, events) can make a call that invalidates it
+        # (seen once in a GPU test run: "operation failed due to a previous error during
+        # capture" at layer 1), so collect first and keep the collector off until the end.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all(cut, pool, device)
+        finally:
+            if collecting:
+                gc.enable()
+        torch.cuda.synchronize(device)
+        log.info("captured piecewise prefill graphs for %d token counts up to %d",
+                 len(self.sizes), self.max_tokens)  # fmt: skip
+
+    def _capture_all(self, cut: CutAtAttention, pool: Any, device: torch.device) -> None:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -147,10 +170,10 @@ class PiecewiseGraphs:
                 def next_piece(layer: int, graphs: list[torch.cuda.CUDAGraph] = graphs) -> None:
                     graphs[-1].capture_end()
                     graphs.append(torch.cuda.CUDAGraph())
-                    graphs[-1].capture_begin(pool=pool)
+                    graphs[-1].capture_begin(pool=pool, capture_error_mode="thread_local")
 
                 cut.cut = next_piece
-                graphs[0].capture_begin(pool=pool)
+                graphs[0].capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     hidden = self.model(ids, pos, cut, None)
                 finally:
@@ -161,9 +184,6 @@ class PiecewiseGraphs:
                     )
                 self.pieces[g], self.hidden[g] = graphs, hidden
         torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        log.info("captured piecewise prefill graphs for %d token counts up to %d",
-                 len(self.sizes), self.max_tokens)  # fmt: skip
 
     def bucket(self, tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, tokens)]

@@ -153,13 +153,17 @@ class ModelRunner:
                 )
         self.pieces = None
         if self.graphs is not None and self.piecewise_max_tokens > 0 and model.tp.size == 1:
-            from engine.piecewise_graph import PiecewiseGraphs
+            from engine.piecewise_graph import PiecewiseGraphs, runs_between_pieces
 
-            assert pad_page is not None
-            pad_slot = pad_page * pool.page_size
-            self.pieces = PiecewiseGraphs(
-                model, backend, pad_slot, self.piecewise_max_tokens, device
-            )
+            if runs_between_pieces(backend):
+                assert pad_page is not None
+                pad_slot = pad_page * pool.page_size
+                self.pieces = PiecewiseGraphs(
+                    model, backend, pad_slot, self.piecewise_max_tokens, device
+                )
+            else:  # e.g. batch-invariant mode's Triton backend: its prefill stays eager
+                log.info("prefill graphs off: the %s backend cannot attend between pieces",
+                         backend.name)  # fmt: skip
 
     # -- rank 0: from a batch to a plan -----------------------------------------------------
     def input_ids(
