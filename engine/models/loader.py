@@ -136,7 +136,7 @@ def build_model(
 ) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, tp)
-    model = model.to_empty(device=device)
+    _materialize(model, device)
     model.rope.build_table(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -147,6 +147,21 @@ def build_model(
     model = model.to(dtype=dtype).eval()
     model.prepack()
     return model
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give the meta-device model uninitialized storage on `device`, as `Module.to_empty` does.
+    to_empty's `empty_like` of a meta tensor runs torch's Python reference, which imports sympy:
+    0.7 s and more of every engine start, and of every tensor-parallel rank's."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                if isinstance(t, torch.nn.Parameter):
+                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                table[name] = new
 
 
 def _init_random(model: CausalLM, seed: int) -> None:

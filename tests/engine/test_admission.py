@@ -61,8 +61,9 @@ def _generate(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[l
 def runs(tiny_llama_dir) -> dict:
     """HF's tokens, `reserve`'s, and each (budget, policy) run under `optimistic`."""
     prompts, outputs = _workload()
-    hf = hf_greedy(tiny_llama_dir, prompts, max(outputs))
-    out: dict = {"prompts": prompts, "hf": [h[:n] for h, n in zip(hf, outputs, strict=True)]}
+    # each request's own length: 32 tokens on average, not 40 for all (greedy runs are prefixes)
+    hf = [hf_greedy(tiny_llama_dir, [p], n)[0] for p, n in zip(prompts, outputs, strict=True)]
+    out: dict = {"prompts": prompts, "hf": hf}
     out["reserve"] = _generate(_llm(tiny_llama_dir, "reserve"), prompts, outputs)
     llm = _llm(tiny_llama_dir, "optimistic")
     for budget, policy in RUNS:

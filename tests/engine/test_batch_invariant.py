@@ -53,13 +53,13 @@ def test_matmul_rows_ignore_the_batch(n: int, k: int, bias: bool) -> None:
     from engine.kernels.matmul import linear
 
     g = _gen(0)
-    x = torch.randn(300, k, device=DEVICE, generator=g).to(DTYPE)
+    x = torch.randn(140, k, device=DEVICE, generator=g).to(DTYPE)  # 64-row tiles, the last 12
     w = (torch.randn(n, k, device=DEVICE, generator=g) / k**0.5).to(DTYPE)
     b = torch.randn(n, device=DEVICE, generator=g).to(DTYPE) if bias else None
     full = linear(x, w, b)
     want = torch.nn.functional.linear(x.float(), w.float(), b.float() if b is not None else None)
     assert rel_err(full, want) < RTOL
-    for lo, hi in [(0, 1), (5, 6), (3, 67), (64, 65), (250, 300)]:
+    for lo, hi in [(0, 1), (5, 6), (3, 67), (64, 65), (120, 140)]:
         assert same(linear(x[lo:hi], w, b), full[lo:hi]), (lo, hi)
     assert linear(x[:0], w, b).shape == (0, n)
 
@@ -178,7 +178,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
     if CUDA:  # FlashInfer-sized heads and bf16 margins, as the other GPU tests
         return make_wide_model(tmp_path_factory.mktemp("bi-qwen3"), smollm2_dir)
     # In Triton's interpreter the LM head dominates (one numpy program per 64 columns): a
-    # 2,048-token vocabulary checks the same kernels as 49,152 at a twentieth of the time.
+    # 512-token vocabulary checks the same kernels as 49,152 at a hundredth of the time (at
+    # 2,048 its 32 programs were still 60% of each step's matmul programs).
     return make_tiny("qwen3", tmp_path_factory.mktemp("bi-qwen3"), smollm2_dir, vocab_size=VOCAB)
 
 
@@ -194,7 +195,7 @@ def _llm(path: Path, **kw: Any) -> Any:
 
 
 PROMPT_LENS = [(120, 230), (3, 40), (60, 61)] if CUDA else [(30, 60), (3, 12), (17, 18)]
-VOCAB = 49152 if CUDA else 2048
+VOCAB = 49152 if CUDA else 512
 
 
 def _prompts(seed: int) -> list[list[int]]:

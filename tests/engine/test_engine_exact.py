@@ -62,11 +62,14 @@ def test_tiny_qwen2_matches_hf(tmp_path, smollm2_dir) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_matches_hf(smollm2_dir) -> None:
+# one worker builds the engine these tests share (tests/engine/conftest.py)
+@pytest.mark.xdist_group("smollm2")
+def test_smollm2_matches_hf(smollm2_dir, smollm2_llm: LLM) -> None:
     # The real model once: chunked (every prompt computed in chunks of 6), then served from the
     # radix cache, then mixed with decodes. The grid of budgets, page sizes, caches and policies
     # runs on the tiny models above: the same code paths at a fiftieth of the cost.
-    llm = LLM("smollm2", page_size=4, cache_type="radix", max_running_req=8, progress=False)
+    llm = smollm2_llm
+    assert (llm.info.page_size, llm.info.cache_type) == (4, "radix")
     prompts = [*CHAPTER_PROMPTS, LONG + "And then"]
     ids = [llm.tokenizer(p).input_ids for p in prompts]
     ref = hf_greedy(smollm2_dir, ids, N_OUT)
@@ -75,8 +78,10 @@ def test_smollm2_matches_hf(smollm2_dir) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_chat_answer() -> None:
-    llm = LLM("smollm2", progress=False)
-    out = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=20), chat=True)
+@pytest.mark.xdist_group("smollm2")
+def test_smollm2_chat_answer(smollm2_llm: LLM) -> None:
+    out = smollm2_llm.generate(
+        ["What is the capital of France?"], SamplingParams(max_tokens=20), chat=True
+    )
     assert out[0]["text"] == "The capital of France is Paris."
     assert out[0]["finish_reason"] == "eos"

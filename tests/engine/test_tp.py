@@ -197,13 +197,12 @@ def test_tiny_qwen3_tp2_pages_of_4_with_overlap(tiny_qwen3_dir) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_tp2_uneven_heads_matches_tp1(smollm2_dir) -> None:
+@pytest.mark.xdist_group("smollm2")  # the tp_size=1 engine is the one test_engine_exact uses
+def test_smollm2_tp2_uneven_heads_matches_tp1(smollm2_llm: LLM) -> None:
     """SmolLM2's 3 KV heads on 2 ranks: rank 0 holds 2 (6 query heads), rank 1 holds 1."""
     kw = dict(max_running_req=4, max_extend_tokens=8192, progress=False)
-    one = LLM("smollm2", **kw)
-    prompts = [one.encode(p) for p in CHAPTER_PROMPTS]
-    ref = _greedy(one, prompts)  # one budget: tp_size=1 gives every budget's tokens
-    del one
+    prompts = [smollm2_llm.encode(p) for p in CHAPTER_PROMPTS]
+    ref = _greedy(smollm2_llm, prompts)  # tp_size=1 gives the same tokens at every setting
     tp = LLM("smollm2", tp_size=2, **kw)
     try:
         assert (tp.model.num_heads, tp.model.num_kv_heads) == (6, 2)

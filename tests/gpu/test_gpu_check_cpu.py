@@ -215,6 +215,12 @@ def test_capture_qkv_and_sharpen() -> None:
 def test_gap_logits_rows_on_cpu(tmp_path: Path, monkeypatch: Any) -> None:
     """The model half of `gap` on a 2-layer model of SmolLM2's head shape: every engine variant
     either gives its errors or records why it could not run (no FlashInfer here)."""
+    # no device memory to return on CPU: each `free()` was a full garbage collection of the
+    # test process's heap, about 1 s each of the 7
+    monkeypatch.setattr(gap, "free", lambda: None)
+    # without the interpreter, whatever test module ran before in this process: the Triton row
+    # records why it cannot run (the interpreter ran the whole model in Python when it was on)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(gap.SMOL_CONFIG, "num_hidden_layers", 2)
     monkeypatch.setitem(gap.SMOL_CONFIG, "hidden_size", 64 * 9)
     monkeypatch.setitem(gap.SMOL_CONFIG, "intermediate_size", 128)
@@ -232,9 +238,7 @@ def test_gap_logits_rows_on_cpu(tmp_path: Path, monkeypatch: Any) -> None:
     # on CPU "auto" is the torch backend in float32: the same numbers as HF fp32
     assert raw["flashinfer"]["fp32 prefill"] < 1e-4 and raw["torch"]["fp32 decode"] < 1e-4
     assert "error" in raw["nosplit"]  # FlashInfer is never installed on CPU
-    # Triton may or may not be importable here; either it ran (fp32, the torch numbers) or the
-    # row says why not
-    assert "error" in raw["triton"] or raw["triton"]["fp32 prefill"] < 1e-4
+    assert "error" in raw["triton"]  # neither CUDA nor the interpreter: the row says why
     assert rows[0][3] == raw["nosplit"]["error"]
     assert rows[0][4] < 1e-4  # page 1
     assert "HF bf16" in gap.gap_verdict({}, {}, rows)
