@@ -86,8 +86,10 @@ class EngineClient:
         """The engine's facts, once it is ready (it may be loading a model for minutes); None
         if `stop` is set first. EngineGone if the engine process died meanwhile."""
         future = self.call_future("facts")
-        while not future.done():
-            if stop.wait(0.1):
+        answered = threading.Event()  # at once when the facts come, not at the next poll
+        future.add_done_callback(lambda _: answered.set())
+        while not answered.wait(0.1):
+            if stop.is_set():
                 return None
         self.facts = EngineFacts.from_dict(future.result())
         return self.facts

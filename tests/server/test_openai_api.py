@@ -19,10 +19,15 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.exceptions import InvalidStatus
 
 from engine.detokenizer import StopMatcher
 from engine.server.openai_schema import ApiError, parse_request
 from tests.server.test_server_support import ServerProcess
+
+# One xdist worker runs this module, so its module-scoped server is set up once (tests spread
+# over both workers had each worker set up its own).
+pytestmark = pytest.mark.xdist_group("test_openai_api")
 
 MAX_RUNNING = 8
 MAX_WAITING = 32
@@ -705,6 +710,20 @@ def test_a_token_is_required_when_set_and_browsers_need_a_local_origin(
     samples = scrape(srv)
     assert samples["stepscope:num_requests_running{}"] == 0
     assert not any(name.startswith("vllm:") for name in samples)  # no compat switch here
+
+
+def test_token_is_required_when_given(guarded: ApiServer) -> None:
+    """The WebSocket protocol asks for the same token, and refuses cross-site origins."""
+    with pytest.raises(InvalidStatus) as info:
+        guarded.client()
+    assert info.value.response.status_code == 401
+    ok = guarded.client(additional_headers={"Authorization": "Bearer s3cret"})
+    assert ok.stats()["integrity"] == "ok"
+    with pytest.raises(InvalidStatus) as info:
+        guarded.client(additional_headers={"Authorization": "Bearer s3cret"},
+                       origin="https://evil.example")  # fmt: skip
+    assert info.value.response.status_code == 403
+    ok.close()
 
 
 class StdoutKept(ServerProcess):

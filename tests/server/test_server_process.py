@@ -60,7 +60,8 @@ def test_messages_before_the_submits_reply_are_held_for_it() -> None:
 
 
 def test_a_dead_engine_process_gets_503s_not_hangs(tiny_llama_dir: Path) -> None:
-    server = ApiServer(tiny_llama_dir, "--max-running-req", "4")
+    # the 503s below are asked for within 2 s of the engine's death (the default grace is 5 s)
+    server = ApiServer(tiny_llama_dir, "--max-running-req", "4", "--engine-gone-grace", "2")
     api = api_pid(server)
     try:
         parts = urlsplit(server.http_url)

@@ -63,8 +63,11 @@ class ProtoClient:
     """A blocking protocol client that keeps every message it has received."""
 
     def __init__(self, url: str, **kwargs: Any) -> None:
+        # max_queue=None: the connection's thread reads every frame as it arrives, so a client
+        # a test has stopped using never stalls the server's sends nor its close (a full queue
+        # of 16 frames would make every server stop wait out its 2 s close timeout)
         self.ws: ClientConnection = connect(
-            url, max_size=None, compression=None, legacy=True, **kwargs
+            url, max_size=None, compression=None, legacy=True, max_queue=None, **kwargs
         )
         self.seen: list[Msg] = []
         self._unclaimed: list[Msg] = []  # received while waiting for something else
