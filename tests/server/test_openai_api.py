@@ -57,6 +57,7 @@ def start(model: Path, *extra: str) -> ApiServer:
 def stop(server: ApiServer) -> None:
     code, err = server.stop()
     assert "Traceback" not in err, err
+    assert "did not stop" not in err, err  # the API process ends after the engine's END
     assert code == 0, err
 
 

@@ -181,4 +181,5 @@ def running_server(
     finally:
         code, err = server.stop()
         assert "Traceback" not in err, err
+        assert "did not stop" not in err, err  # the API process ends after the engine's END
         assert code == 0, err
