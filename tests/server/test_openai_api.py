@@ -727,28 +727,6 @@ def test_token_is_required_when_given(guarded: ApiServer) -> None:
     ok.close()
 
 
-class StdoutKept(ServerProcess):
-    """Keeps what the server printed on stdout after its ready line."""
-
-    def _drain(self, stream: Any, sink: list[str]) -> Any:  # type: ignore[override]
-        if stream is self.proc.stdout:
-            self.stdout_after_ready = sink
-        return ServerProcess._drain(stream, sink)
-
-
-def test_http_port_none_turns_the_api_off(tiny_llama_dir: Path) -> None:
-    srv = StdoutKept(tiny_llama_dir, "--http-port", "none")
-    try:
-        c = srv.client()
-        assert c.hello["type"] == "hello"
-        c.close()
-    finally:
-        code, err = srv.stop()
-    assert code == 0, err
-    time.sleep(0.5)  # the drain thread reads to EOF
-    assert not any("HTTP API" in line for line in srv.stdout_after_ready)
-
-
 # -- parsing and stop strings on their own --------------------------------------------------
 
 

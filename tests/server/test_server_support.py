@@ -131,7 +131,8 @@ class ServerProcess:
         self._err_reader = self._drain(self.proc.stderr, self._err)
         self.url = self._wait_ready()
         self.port = int(self.url.rsplit(":", 1)[1])
-        self._drain(self.proc.stdout, [])
+        self.stdout_after_ready: list[str] = []  # whole once `stop()` returned
+        self._out_reader = self._drain(self.proc.stdout, self.stdout_after_ready)
 
     @staticmethod
     def _drain(stream: Any, sink: list[str]) -> threading.Thread:
@@ -167,7 +168,8 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self._err_reader.join(timeout=10)  # what the process wrote last, up to EOF
+        for reader in (self._err_reader, self._out_reader):
+            reader.join(timeout=10)  # what the process wrote last, up to EOF
         return self.proc.returncode, "".join(self._err)
 
 
