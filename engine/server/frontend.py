@@ -141,9 +141,10 @@ def _early_tokenizer(model: str) -> _EarlyTokenizer:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # no line per connection
+    # Until it serves, a signal ends it at once (nothing to close yet): an engine that failed to
+    # start stops it in the middle of its imports instead of waiting for them.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     settings = json.loads(sys.stdin.read())
     engine = EngineClient(settings["ipc"], parent_pid=settings["parent_pid"]).start()
     died: list[str] = []
@@ -174,6 +175,8 @@ def main() -> int:
     except OSError as exc:
         print(f"stepscope: cannot listen: {exc}", file=sys.stderr, flush=True)
         return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):  # from now on, a signal stops it in order
+        signal.signal(sig, lambda *_: stop.set())
     # as the engine process does (core.build): the imports, tokenizer and app (85k objects)
     # live for good; out of the collector's sight, a full collection while serving walks only
     # what serving made (the two at start-up took 29 and 45 ms each; every stream waits)
