@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import json
 import logging
+import socket
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -57,6 +58,9 @@ class PublisherConfig:
     max_frame_bytes: int = 2**20
     client_queue: int = 4096  # messages held per client before the oldest are dropped
     drop_limit: int = 16384  # drops without catching up before the client is disconnected
+    # the kernel's send buffer per client in bytes; None: the OS's, which grows to megabytes
+    # (Linux: tcp_wmem), all of it delivered late to a client that lags instead of dropped
+    socket_buffer: int | None = None
 
 
 def is_loopback(host: str) -> bool:
@@ -282,6 +286,9 @@ class Publisher:
         return None
 
     async def _handle(self, ws: ServerConnection) -> None:
+        if self.config.socket_buffer is not None:  # before anything but the handshake is sent
+            sock = ws.transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_buffer)
         client = Client(ws, self.config.client_queue)
         # No await between writing hello and joining the fan-out: nothing is missed or doubled.
         # Hello goes straight to the socket buffer, so a full outbox can never drop it.

@@ -31,6 +31,13 @@ def tcp_port(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class ServerArgs(EngineConfig):
     """The engine's settings and the server's: what `python -m engine.server` is started with."""
@@ -62,6 +69,15 @@ class ServerArgs(EngineConfig):
     client_drop_limit: int = setting(
         16384, "messages a client may lose without catching up before it is disconnected"
     )
+    client_socket_buffer: int | None = setting(
+        None, "the kernel's send buffer per client, in bytes (default: the OS's, which grows to "
+        "megabytes); smaller, a client that falls behind loses its oldest messages sooner "
+        "instead of receiving them late", metavar="BYTES",
+    )  # fmt: skip
+    engine_gone_grace: float = setting(
+        5.0, "seconds the API process answers 503 after the engine process died, before it "
+        "exits with status 1", parse=seconds, metavar="SECONDS",
+    )  # fmt: skip
     trace: str | None = setting(
         None, "write every published message to FILE as JSON lines", metavar="FILE"
     )

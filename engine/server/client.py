@@ -68,6 +68,9 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._started = threading.Event()
+        # The engine sends its events (END too) without waiting, and a bound PUSH socket with no
+        # peer yet drops them: `connect()` returns once the event stream is connected too.
+        self._events_connected = threading.Event()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="stepscope-engine", daemon=True)
 
@@ -86,9 +89,12 @@ class EngineClient:
         """The engine's facts, once it is ready (it may be loading a model for minutes); None
         if `stop` is set first. EngineGone if the engine process died meanwhile."""
         future = self.call_future("facts")
-        while not future.done():
-            if stop.wait(0.1):
-                return None
+        answered = threading.Event()  # at once when the facts come, not at the next poll
+        future.add_done_callback(lambda _: answered.set())
+        for event in (answered, self._events_connected):
+            while not event.wait(0.1):
+                if stop.is_set():
+                    return None
         self.facts = EngineFacts.from_dict(future.result())
         return self.facts
 
@@ -156,15 +162,20 @@ class EngineClient:
         ctx = zmq.asyncio.Context()
         self._dealer = ctx.socket(zmq.DEALER)
         events = ctx.socket(zmq.PULL)
+        monitor = events.get_monitor_socket(zmq.EVENT_CONNECTED)
         for sock, addr in ((self._dealer, self.calls_addr), (events, self.events_addr)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(addr)  # before the engine binds, too: ZMQ connects once it does
         self._started.set()
-        tasks = [asyncio.ensure_future(c) for c in (self._replies(), self._events(events),
-                                                    self._watch_parent())]  # fmt: skip
+        watches = (self._replies(), self._events(events), self._watch_parent(),
+                   self._watch_connected(events, monitor))  # fmt: skip
+        tasks = [asyncio.ensure_future(c) for c in watches]
         await self._stop.wait()
         for t in tasks:
             t.cancel()
+        if not monitor.closed:  # stopped before the engine was up
+            events.disable_monitor()
+            monitor.close(linger=0)
         self._dealer.close()
         events.close()
         ctx.term()
@@ -197,6 +208,12 @@ class EngineClient:
                 self.on_events(frame.split(b"\n"))
             except Exception:  # a bug in a sink must not stop the stream
                 log.exception("event batch failed")
+
+    async def _watch_connected(self, events: zmq.asyncio.Socket, monitor: Any) -> None:
+        await monitor.recv_multipart()  # the one event it watches for: EVENT_CONNECTED
+        events.disable_monitor()
+        monitor.close(linger=0)
+        self._events_connected.set()
 
     async def _watch_parent(self) -> None:
         if self.parent_pid is None:

@@ -43,26 +43,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # no line per connection
 
-    from engine import LLM
-
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # so the engine build keeps it
     for port in (args.port, args.http_port):
-        try:  # fail before a long model load, not after it
+        try:  # fail before a long import and model load, not after them
             if port is not None:
                 _check_port(args.host, port)
         except OSError as exc:
             print(f"stepscope: cannot listen on {args.host}:{port}: {exc}", file=sys.stderr)
             return 2
+    if args.threads is not None:  # before torch is imported, and for the API process too
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # so the engine build keeps it
     # the sockets' directory, only this user's (mkdtemp: mode 0700)
     directory = tempfile.mkdtemp(prefix="stepscope-")
-    api = ApiProcess(api_settings(args, directory))  # its imports overlap the model load
+    # spawned before torch is imported here: its imports overlap this process's (about 1 s of
+    # torch) and the model load
+    api = ApiProcess(api_settings(args, directory))
     try:
         print(f"stepscope: loading {args.model} on {args.device} ...", file=sys.stderr, flush=True)
         try:
+            from engine import LLM
+
+            if args.threads is not None:
+                import torch
+
+                torch.set_num_threads(args.threads)
             llm = LLM.from_config(args.engine(), progress=True)
         except KeyboardInterrupt:
             return 130
@@ -99,6 +102,8 @@ def api_settings(args: Args, directory: str) -> dict[str, Any]:
         "history_steps": args.history_steps,
         "client_queue": args.client_queue,
         "client_drop_limit": args.client_drop_limit,
+        "client_socket_buffer": getattr(args, "client_socket_buffer", None),
+        "engine_gone_grace": getattr(args, "engine_gone_grace", ServerArgs.engine_gone_grace),
         "trace": args.trace,
         "metrics_token": getattr(args, "metrics_token", None),
         "metrics_compat": getattr(args, "metrics_compat", None),

@@ -7,8 +7,8 @@ beyond serializing each batch of events once. It talks to the engine over ipc.py
 
 Its settings come as JSON on stdin (tokens stay out of argv and the environment). It stops when
 the engine sends END (the engine stopped: exit 0) or on SIGTERM. If the engine process dies
-instead, open responses end with a 503, new requests get 503s for `DEAD_GRACE_S`, then it exits
-with status 1, so a supervisor sees the failure.
+instead, open responses end with a 503, new requests get 503s for `--engine-gone-grace` seconds,
+then it exits with status 1, so a supervisor sees the failure.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from engine.server.client import EngineClient, EngineGone
@@ -28,7 +29,6 @@ from instrumentation.publisher import Publisher, PublisherConfig
 from instrumentation.trace import TraceWriter
 
 log = logging.getLogger("stepscope.server")
-DEAD_GRACE_S = 5.0
 
 
 class ApiServer:
@@ -67,6 +67,7 @@ class ApiServer:
             allowed_origins=tuple(settings["allow_origin"]),
             max_frame_bytes=facts.hello["max_frame_bytes"],
             client_queue=settings["client_queue"], drop_limit=settings["client_drop_limit"],
+            socket_buffer=settings.get("client_socket_buffer"),
         )  # fmt: skip
         self.publisher = Publisher(config, hello=self.hello, sinks=sinks, loads=ipc.loads)
         from engine.server.commands import CommandHandler
@@ -109,12 +110,41 @@ class ApiServer:
             self.trace.close()
 
 
+class _EarlyTokenizer:
+    """The tokenizer of a model given as a local directory, loaded before the engine says
+    which directory it reads (`facts.tokenizer`); used only if that is the same one."""
+
+    def __init__(self, directory: Path | None) -> None:
+        from engine.tokenizer import load_tokenizer_at
+
+        self.directory = directory
+        self.tokenizer = None if directory is None else load_tokenizer_at(directory)
+
+    def take(self, directory: str) -> Any:
+        from engine.tokenizer import load_tokenizer_at
+
+        if self.directory is not None and Path(directory).resolve() == self.directory:
+            return self.tokenizer
+        return load_tokenizer_at(directory)
+
+
+def _early_tokenizer(model: str) -> _EarlyTokenizer:
+    path = Path(model).expanduser()
+    try:
+        if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+            return _EarlyTokenizer(path.resolve())
+    except Exception:  # only a head start: the load after the engine's facts says what is wrong
+        pass
+    return _EarlyTokenizer(None)
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # no line per connection
+    # Until it serves, a signal ends it at once (nothing to close yet): an engine that failed to
+    # start stops it in the middle of its imports instead of waiting for them.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     settings = json.loads(sys.stdin.read())
     engine = EngineClient(settings["ipc"], parent_pid=settings["parent_pid"]).start()
     died: list[str] = []
@@ -125,23 +155,28 @@ def main() -> int:
         stop.set()
 
     engine.on_gone = gone
-    import transformers  # noqa: F401  (imported while the engine loads its model)
+    # While the engine loads its model: the imports, and the tokenizer if it can be told now
+    # (the engine's facts confirm it). Each is on the way from the engine's ready to ours.
+    import transformers  # noqa: F401
 
-    from engine.tokenizer import load_tokenizer_at
-
+    if settings.get("http_port") is not None:
+        from engine.server import openai_api, openai_app  # noqa: F401
+    early = _early_tokenizer(settings["model"])
     try:
         facts = engine.connect(stop)
     except EngineGone:
         facts = None
     if facts is None:
         return 0  # stopped before the engine was ready (it says why, if it failed)
-    engine.tokenizer = load_tokenizer_at(facts.tokenizer)
+    engine.tokenizer = early.take(facts.tokenizer)
     server = ApiServer(engine, settings)
     try:
         server.start()
     except OSError as exc:
         print(f"stepscope: cannot listen: {exc}", file=sys.stderr, flush=True)
         return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):  # from now on, a signal stops it in order
+        signal.signal(sig, lambda *_: stop.set())
     # as the engine process does (core.build): the imports, tokenizer and app (85k objects)
     # live for good; out of the collector's sight, a full collection while serving walks only
     # what serving made (the two at start-up took 29 and 45 ms each; every stream waits)
@@ -150,9 +185,10 @@ def main() -> int:
     while not stop.wait(0.5):
         pass
     if died:
-        log.error("%s: answering 503 for %.0f s, then exiting", died[0], DEAD_GRACE_S)
+        grace = settings["engine_gone_grace"]
+        log.error("%s: answering 503 for %g s, then exiting", died[0], grace)
         server.engine_gone(died[0])
-        threading.Event().wait(DEAD_GRACE_S)
+        threading.Event().wait(grace)
     server.stop()
     engine.close()
     return 1 if died else 0

@@ -25,6 +25,10 @@ from engine.workload import (
 from instrumentation.sweep import COLUMNS, read_summary, summarize_folder
 from instrumentation.trace import read_jsonl
 
+# One xdist worker runs this module, so its module-scoped sweep is set up once (tests spread
+# over both workers had each worker set up its own).
+pytestmark = pytest.mark.xdist_group("test_sweep")
+
 BUDGETS = (16, 64)
 POLICIES = ("prefill_first", "mixed")
 

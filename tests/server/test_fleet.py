@@ -26,6 +26,10 @@ from engine.server.fleet import Fleet, FleetInfo, build_parser, free_port
 from engine.server.openai_schema import ApiError
 from engine.server.sglang_api import to_completion_body
 
+# One xdist worker runs this module, so its module-scoped fleet is set up once (tests spread
+# over both workers had each worker set up its own).
+pytestmark = pytest.mark.xdist_group("test_fleet")
+
 HAS_ROUTER = importlib.util.find_spec("sglang_router") is not None
 
 

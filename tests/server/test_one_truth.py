@@ -24,6 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server.test_openai_api import ApiServer, scrape, stop
 from tests.server.test_server_support import Msg, ProtoClient
 
+# One xdist worker runs this module, so its module-scoped server is set up once (tests spread
+# over both workers had each worker set up its own).
+pytestmark = pytest.mark.xdist_group("test_one_truth")
+
 BUDGET = 8
 CHATS = 3
 CHAT_PROMPT = 4

@@ -19,10 +19,15 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.exceptions import InvalidStatus
 
 from engine.detokenizer import StopMatcher
 from engine.server.openai_schema import ApiError, parse_request
 from tests.server.test_server_support import ServerProcess
+
+# One xdist worker runs this module, so its module-scoped server is set up once (tests spread
+# over both workers had each worker set up its own).
+pytestmark = pytest.mark.xdist_group("test_openai_api")
 
 MAX_RUNNING = 8
 MAX_WAITING = 32
@@ -52,6 +57,7 @@ def start(model: Path, *extra: str) -> ApiServer:
 def stop(server: ApiServer) -> None:
     code, err = server.stop()
     assert "Traceback" not in err, err
+    assert "did not stop" not in err, err  # the API process ends after the engine's END
     assert code == 0, err
 
 
@@ -707,26 +713,18 @@ def test_a_token_is_required_when_set_and_browsers_need_a_local_origin(
     assert not any(name.startswith("vllm:") for name in samples)  # no compat switch here
 
 
-class StdoutKept(ServerProcess):
-    """Keeps what the server printed on stdout after its ready line."""
-
-    def _drain(self, stream: Any, sink: list[str]) -> Any:  # type: ignore[override]
-        if stream is self.proc.stdout:
-            self.stdout_after_ready = sink
-        return ServerProcess._drain(stream, sink)
-
-
-def test_http_port_none_turns_the_api_off(tiny_llama_dir: Path) -> None:
-    srv = StdoutKept(tiny_llama_dir, "--http-port", "none")
-    try:
-        c = srv.client()
-        assert c.hello["type"] == "hello"
-        c.close()
-    finally:
-        code, err = srv.stop()
-    assert code == 0, err
-    time.sleep(0.5)  # the drain thread reads to EOF
-    assert not any("HTTP API" in line for line in srv.stdout_after_ready)
+def test_token_is_required_when_given(guarded: ApiServer) -> None:
+    """The WebSocket protocol asks for the same token, and refuses cross-site origins."""
+    with pytest.raises(InvalidStatus) as info:
+        guarded.client()
+    assert info.value.response.status_code == 401
+    ok = guarded.client(additional_headers={"Authorization": "Bearer s3cret"})
+    assert ok.stats()["integrity"] == "ok"
+    with pytest.raises(InvalidStatus) as info:
+        guarded.client(additional_headers={"Authorization": "Bearer s3cret"},
+                       origin="https://evil.example")  # fmt: skip
+    assert info.value.response.status_code == 403
+    ok.close()
 
 
 # -- parsing and stop strings on their own --------------------------------------------------

@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 
+from instrumentation import PROTOCOL_MINOR
 from tests.server.test_server_support import Msg, ProtoClient, ServerProcess, running_server
+
+# One xdist worker runs this module, so its module-scoped server is set up once (tests spread
+# over both workers had each worker set up its own).
+pytestmark = pytest.mark.xdist_group("test_server")
 
 MAX_RUNNING = 4
 MAX_WAITING = 6
@@ -203,6 +208,29 @@ def test_abort_mid_chunk_returns_kv_to_idle(server: ServerProcess) -> None:
         err = c.until(lambda m: m["type"] == "error")
         assert err["code"] == "not_found" and err["id"] == cid
     set_config(c, "restore", max_extend_tokens=256)
+
+
+def test_abort_is_acknowledged_and_its_event_follows(server: ServerProcess) -> None:
+    """Protocol v1.1: an abort is acknowledged with `accepted`, its `aborted` event follows;
+    every broadcast carries the next `seq`, and replies carry none."""
+    c = server.client()
+    assert c.hello["engine"]["instance"] and c.hello["protocol_minor"] == PROTOCOL_MINOR
+    set_config(c, "slow", max_extend_tokens=8)
+    ok = c.reply({"type": "submit", "id": "s", "input_ids": [5] * 40, "max_tokens": 200,
+                  "ignore_eos": True})  # fmt: skip
+    uid = ok["uid"]
+    c.until(lambda m: m.get("type") == "step")
+    ack = c.reply({"type": "abort", "id": "x", "uid": uid})
+    assert ack == {"type": "accepted", "id": "x", "uid": uid}
+    c.until(lambda m: m.get("event") == "aborted" and m["uid"] == uid)
+    again = c.reply({"type": "abort", "id": "y", "uid": uid})
+    assert again["type"] == "error" and again["code"] == "not_found"
+    broadcasts = [m for m in c.seen if m["type"] in ("step", "token", "request", "config")]
+    seqs = [m["seq"] for m in broadcasts]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert all("seq" not in m for m in c.seen if m["type"] in ("accepted", "error"))
+    set_config(c, "restore", max_extend_tokens=256)
+    c.close()
 
 
 def test_too_large_and_capacity(server: ServerProcess) -> None:

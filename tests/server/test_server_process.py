@@ -60,7 +60,8 @@ def test_messages_before_the_submits_reply_are_held_for_it() -> None:
 
 
 def test_a_dead_engine_process_gets_503s_not_hangs(tiny_llama_dir: Path) -> None:
-    server = ApiServer(tiny_llama_dir, "--max-running-req", "4")
+    # the 503s below are asked for within 2 s of the engine's death (the default grace is 5 s)
+    server = ApiServer(tiny_llama_dir, "--max-running-req", "4", "--engine-gone-grace", "2")
     api = api_pid(server)
     try:
         parts = urlsplit(server.http_url)
@@ -97,3 +98,23 @@ def test_the_engine_stops_when_its_api_process_dies(tiny_llama_dir: Path) -> Non
     code, err = server.stop()
     assert code == 1 and "the API process exited (status -9)" in err
     assert "Traceback" not in err
+
+
+def test_the_api_process_tokenizer_head_start_is_the_engines(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The API process loads a local model's tokenizer while the engine loads the model, and
+    keeps it only if the engine names that directory (`facts.tokenizer`)."""
+    import shutil
+
+    from engine.server.frontend import _early_tokenizer
+
+    early = _early_tokenizer(str(tiny_llama_dir))
+    assert early.tokenizer is not None
+    assert early.take(str(tiny_llama_dir / ".")) is early.tokenizer  # the same directory
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    elsewhere = early.take(str(other))  # the engine read another one: that one is loaded
+    assert elsewhere is not early.tokenizer and elsewhere.name_or_path == str(other)
+    assert _early_tokenizer("smollm2").tokenizer is None  # not a local directory: no guess
+    assert _early_tokenizer(str(tmp_path / "missing")).tokenizer is None

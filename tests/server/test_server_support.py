@@ -59,12 +59,33 @@ def is_reset(sock: socket.socket, timeout: float) -> bool:
     return True
 
 
+def apply_xdist_groups(config: Any, items: list[Any], under: Path) -> None:
+    """Give the tests under `under` marked `xdist_group` the `@group` node-id suffix by which
+    `--dist loadgroup` sends a group to one worker. pytest-xdist 3.8 writes it to `item._nodeid`,
+    which pytest 9 no longer reads (a node id is `item._id`): every group was spread over both
+    workers, and each worker started its own copy of a module's server."""
+    if not config.getoption("loadgroup", False):  # set on xdist workers under loadgroup
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        if under not in item.path.parents or "@" in item.nodeid:
+            continue
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}  # fmt: skip
+        if names:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
+
+
 class ProtoClient:
     """A blocking protocol client that keeps every message it has received."""
 
     def __init__(self, url: str, **kwargs: Any) -> None:
+        # max_queue=None: the connection's thread reads every frame as it arrives, so a client
+        # a test has stopped using never stalls the server's sends nor its close (a full queue
+        # of 16 frames would make every server stop wait out its 2 s close timeout)
         self.ws: ClientConnection = connect(
-            url, max_size=None, compression=None, legacy=True, **kwargs
+            url, max_size=None, compression=None, legacy=True, max_queue=None, **kwargs
         )
         self.seen: list[Msg] = []
         self._unclaimed: list[Msg] = []  # received while waiting for something else
@@ -128,7 +149,8 @@ class ServerProcess:
         self._err_reader = self._drain(self.proc.stderr, self._err)
         self.url = self._wait_ready()
         self.port = int(self.url.rsplit(":", 1)[1])
-        self._drain(self.proc.stdout, [])
+        self.stdout_after_ready: list[str] = []  # whole once `stop()` returned
+        self._out_reader = self._drain(self.proc.stdout, self.stdout_after_ready)
 
     @staticmethod
     def _drain(stream: Any, sink: list[str]) -> threading.Thread:
@@ -164,7 +186,8 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self._err_reader.join(timeout=10)  # what the process wrote last, up to EOF
+        for reader in (self._err_reader, self._out_reader):
+            reader.join(timeout=10)  # what the process wrote last, up to EOF
         return self.proc.returncode, "".join(self._err)
 
 
@@ -178,4 +201,5 @@ def running_server(
     finally:
         code, err = server.stop()
         assert "Traceback" not in err, err
+        assert "did not stop" not in err, err  # the API process ends after the engine's END
         assert code == 0, err
