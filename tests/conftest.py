@@ -29,13 +29,33 @@ BROWSER_QUEUES = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # With `-n 2` (pytest-xdist, `--dist loadgroup`), each queue runs one test at a time on one
     # worker.
     for item in items:
         if item.get_closest_marker("browser"):
             queue = BROWSER_QUEUES.get(item.path.name, "browser-b")
             item.add_marker(pytest.mark.xdist_group(queue))
+    apply_xdist_groups(config, items)
+
+
+def apply_xdist_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give the tests marked `xdist_group` the `@group` node-id suffix by which `--dist
+    loadgroup` sends a group to one worker. pytest-xdist 3.8 writes it to `item._nodeid`, which
+    pytest 9 no longer reads (a node id is `item._id`): every group was spread over both
+    workers, and each worker started its own copy of a module's server."""
+    if not config.getoption("loadgroup", False):  # set on xdist workers under loadgroup
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        if "@" in item.nodeid:  # a pytest that still reads xdist's suffix
+            continue
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}  # fmt: skip
+        if names:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")

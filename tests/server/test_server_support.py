@@ -59,24 +59,6 @@ def is_reset(sock: socket.socket, timeout: float) -> bool:
     return True
 
 
-def apply_xdist_groups(config: Any, items: list[Any], under: Path) -> None:
-    """Give the tests under `under` marked `xdist_group` the `@group` node-id suffix by which
-    `--dist loadgroup` sends a group to one worker. pytest-xdist 3.8 writes it to `item._nodeid`,
-    which pytest 9 no longer reads (a node id is `item._id`): every group was spread over both
-    workers, and each worker started its own copy of a module's server."""
-    if not config.getoption("loadgroup", False):  # set on xdist workers under loadgroup
-        return
-    from _pytest.nodeid import NodeId
-
-    for item in items:
-        if under not in item.path.parents or "@" in item.nodeid:
-            continue
-        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                 for m in item.iter_markers("xdist_group")}  # fmt: skip
-        if names:
-            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
-
-
 class ProtoClient:
     """A blocking protocol client that keeps every message it has received."""
 
