@@ -222,9 +222,25 @@ def test_live_page_at_64_requests_and_5000_steps(tiny_llama_dir: Path) -> None:
 # ---- the KV page map, abort, and the first minute ----------------------------------------------
 
 
-def _open_tab(page: object, name: str) -> None:
+def _open_tab(page: object, name: str, shown: object = None) -> None:
+    """Open a detail tab; with `shown` (a locator of what the server draws in it), until that
+    is visible. Twice in ~30 runs the browser showed the Requests tab selected while no run of
+    the server drew its content (120 s without its Abort button; the cause is not established:
+    a fragment's rerun racing the click is suspected). A user clicks away and back; so does this."""
     tab = page.get_by_role("tab", name=name)  # type: ignore[attr-defined]
-    act_until(tab.click, page.get_by_role("tab", name=name, selected=True))  # type: ignore[attr-defined]
+    selected = page.get_by_role("tab", name=name, selected=True)  # type: ignore[attr-defined]
+    if shown is None:
+        act_until(tab.click, selected)
+        return
+
+    def reopen() -> None:
+        if selected.count():
+            other = "Output text" if name != "Output text" else "Requests"
+            page.get_by_role("tab", name=other).click()  # type: ignore[attr-defined]
+            sync_api.expect(page.get_by_role("tab", name=other, selected=True)).to_be_visible()  # type: ignore[attr-defined]
+        tab.click()
+
+    act_until(reopen, shown)
 
 
 SUMMARY_JS = """() => {
@@ -302,9 +318,10 @@ def test_abort_button_shows_success(live_app: tuple[str, str]) -> None:
         submitted = status_line(page, re.compile(r"submitted: request \d+$"))
         sync_api.expect(submitted).to_be_visible()
         uid = int(submitted.inner_text().rsplit(" ", 1)[1])  # the module's engine ran others
-        _open_tab(page, "Requests")
+        abort = page.locator(f".st-key-abort-{uid} button").first
+        _open_tab(page, "Requests", abort)
         act_until(
-            page.locator(f".st-key-abort-{uid} button").first.click,
+            abort.click,
             status_line(page, f"request {uid} aborted"),
             again=lambda: page.get_by_test_id("stAlertContentError").count() == 0,
         )
