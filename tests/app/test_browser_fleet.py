@@ -106,16 +106,24 @@ def test_two_live_replicas_move_and_a_budget_change_reaches_only_one(
                 browser.close()
 
 
-@pytest.mark.browser
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")
-def test_a_bad_url_list_is_a_clear_error_not_connecting_forever() -> None:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    expect, sync_playwright = sync_api.expect, sync_api.sync_playwright
-    with running_app("ws://127.0.0.1:1,http://127.0.0.1:2") as page_url, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page()
-            page.goto(page_url)
-            expect(page.get_by_text("Engine URL 2 of 2")).to_be_visible(timeout=60_000)
-        finally:
-            browser.close()
+def test_a_bad_url_list_is_a_clear_error_not_connecting_forever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The page as Streamlit runs it (AppTest: app/main.py, without a browser; nothing here is
+    drawn by the browser): the error names the entry at fault on the first run, and nothing
+    says it is connecting."""
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from tests.app.test_app_ui import APP, texts
+
+    monkeypatch.setenv("STEPSCOPE_URL", "ws://127.0.0.1:1,http://127.0.0.1:2")
+    monkeypatch.setenv("STEPSCOPE_AUTOSTART", "0")
+    at = AppTest.from_file(APP, default_timeout=30)
+    try:
+        at.run()
+        assert not at.exception, at.exception
+        assert any("Engine URL 2 of 2" in t for t in texts(at.error)), texts(at.error)
+        assert not any("onnecting" in t for t in texts(at.info) + texts(at.markdown))
+    finally:
+        st.cache_resource.clear()
