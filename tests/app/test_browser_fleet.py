@@ -1,7 +1,8 @@
 """The fleet page in Debian's chromium: two live replicas (tiny random Llama) on one page. Both
 replicas' charts move while each gets work, and a budget change applied to one replica changes
 only that one (read back from each replica's own `/server_info`). A bad URL list gets a clear
-error, not "connecting…" forever. STEPSCOPE_SCREENSHOTS=DIR saves the page as fleet.png."""
+error, not "connecting…" forever (the page run by AppTest: no browser needed to see an error).
+STEPSCOPE_SCREENSHOTS=DIR saves the page as fleet.png."""
 
 from __future__ import annotations
 
