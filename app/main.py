@@ -124,9 +124,14 @@ def page_outdated(link: EngineLink) -> bool:
 def await_hello(link: EngineLink) -> None:
     """An engine that is up answers within a moment: wait for its config (briefly) so this
     run draws the controls, rather than asking for another whole run once it arrives (a
-    whole-app rerun asked by a fragment while the live charts pull is what froze them)."""
+    whole-app rerun asked by a fragment while the live charts pull is what froze them).
+    Waits for the hello, not the config itself: a watch's hello has an empty config, and
+    waiting on it held every full run of a watched engine's page for HELLO_WAIT_S."""
     deadline = time.monotonic() + HELLO_WAIT_S
-    while link.store.snapshot(last_steps=0).config is None and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        snap = link.store.snapshot(last_steps=0)
+        if snap.config is not None or snap.engine is not None:
+            return  # the hello is in: the engine's config (or that it has none)
         if link.status().state not in ("connecting", "connected"):
             return  # nothing answers (yet): the engine is starting, or gone
         time.sleep(0.02)

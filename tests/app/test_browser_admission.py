@@ -63,11 +63,13 @@ def _view(page: object, view: str) -> None:
 def test_kv_pressure_preset_under_both_admission_modes(tiny_llama_dir: Path) -> None:
     from websockets.sync.client import connect
 
+    # max_queue=None: the test stops reading while the preset still runs; with a bounded queue
+    # the client stopped reading the socket, so its close waited out close_timeout (10 s)
     with (
         running_engine(tiny_llama_dir, *FLAGS) as engine,
         running_app(engine) as app,
         browser_page(app) as (_, page),
-        connect(engine, max_size=2**27) as ws,
+        connect(engine, max_size=2**27, max_queue=None) as ws,
     ):
         ws.recv()  # hello
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()

@@ -55,7 +55,9 @@ WATCH_JS = """(held) => {
 
 
 def test_the_first_minute_needs_no_click_after_submit(smollm2_dir: Path) -> None:
-    engine_args = "--device cpu --http-port none --max-extend-tokens 32"
+    # one torch thread, as every engine the tests start: on a busy 2-core machine a second
+    # thread's spinning slowed the engine's load and steps (tests/conftest.py)
+    engine_args = "--device cpu --http-port none --max-extend-tokens 32 --threads 1"
     env = {
         "STEPSCOPE_AUTOSTART": "1",
         "STEPSCOPE_MODEL": os.environ.get("STEPSCOPE_FIRST_MINUTE_MODEL") or "smollm2",
