@@ -25,21 +25,29 @@ from engine.checks.greedy import last_logits, rel_err
 
 @pytest.fixture
 def float32_accumulating_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
-    linear = torch.nn.functional.linear
-    # each weight's float32 copy, made once: converting all 135M parameters on every forward was
-    # most of this test's time (192 forwards)
-    wide_weights: dict[tuple[int, torch.Size], torch.Tensor] = {}
+    from engine.models.kernels import onednn_linear, onednn_weight
 
-    def widen(w: torch.Tensor) -> torch.Tensor:
+    linear = torch.nn.functional.linear
+    # each weight's float32 copy, made once (converting all 135M parameters on every forward was
+    # most of this test's time), and reordered for oneDNN as the float32 engine's own weights
+    # are: F.linear's BLAS on the plain copies took 2.4x as long for the same products
+    wide_weights: dict[tuple[int, torch.Size], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def widen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = (w.data_ptr(), w.shape)
         if key not in wide_weights:
-            wide_weights[key] = w.float()
+            wide = w.float()
+            wide_weights[key] = (wide, onednn_weight(wide) if wide.dim() == 2 else None)
         return wide_weights[key]
 
     def widened(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             return linear(x, w, b)
-        return linear(x.float(), widen(w), None if b is None else widen(b)).to(x.dtype)
+        wide, packed = widen(w)
+        bias = None if b is None else widen(b)[0]
+        x32 = x.float()
+        out = None if packed is None else onednn_linear(x32, packed, bias)
+        return (linear(x32, wide, bias) if out is None else out).to(x.dtype)
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
