@@ -144,3 +144,45 @@ class Workload:
                 elif msg.get("type") == "request" and msg.get("event") == "finished":
                     self._submit(ws, sent)
                     sent += 1
+
+
+LIVE_STATE_JS = """() => [...document.querySelectorAll('.stepscope-live')].map(r => ({
+    ...r.dataset, shown: r.offsetParent !== null,
+    status: (r.querySelector('.sl-status') || {}).textContent}))"""
+
+
+class PageLog:
+    """What a page said while a test drove it (console messages, page errors, failed requests),
+    and its live charts' state: printed when the test fails, so a failure seen only on a busy
+    CI machine says where the page stood."""
+
+    def __init__(self, page: object, keep: int = 60) -> None:
+        self.page, self.keep = page, keep
+        self.lines: list[str] = []
+        t0 = time.monotonic()
+        stamp = lambda: f"{time.monotonic() - t0:7.2f}s"  # noqa: E731
+        on = page.on  # type: ignore[attr-defined]
+        on("console", lambda m: self._add(f"{stamp()} console.{m.type}: {m.text[:300]}"))
+        on("pageerror", lambda e: self._add(f"{stamp()} page error: {e}"))
+        on("requestfailed", lambda r: self._add(f"{stamp()} failed: {r.url} {r.failure}"))
+
+    def _add(self, line: str) -> None:
+        if "Invalid color specifier" not in line:  # Plotly's, one per trace per draw
+            self.lines.append(line)
+            del self.lines[: -self.keep]
+
+    def report(self) -> str:
+        try:
+            live = self.page.evaluate(LIVE_STATE_JS)  # type: ignore[attr-defined]
+            switch = self.page.get_by_role("switch", name="Live")  # type: ignore[attr-defined]
+            checked = switch.is_checked(timeout=2_000) if switch.count() else None
+        except Exception as exc:  # the page may be gone: the log still helps
+            live, checked = f"unreadable ({exc})", None
+        return "\n".join([f"live charts: {live}", f"Live switch checked: {checked}", *self.lines])
+
+    def __enter__(self) -> PageLog:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None:
+            print(f"---- the page when the test failed ----\n{self.report()}")

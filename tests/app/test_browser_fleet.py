@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from app.fleet_ui import FleetSpec, clock_offsets, load_fleet_file, parse_engine_urls, spec_for
+from engine.checks.browser import PageLog
 from engine.server.fleet import Fleet
 from tests.app.test_browser import CHROMIUM, CHROMIUM_ARGS, running_app
 from tests.app.test_browser_live import Workload
@@ -64,6 +65,7 @@ def test_two_live_replicas_move_and_a_budget_change_reaches_only_one(
             browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": 1500, "height": 1900})
+                log = PageLog(page)
                 page.set_default_timeout(90_000)
                 expect.set_options(timeout=90_000)
                 page.goto(page_url)
@@ -103,6 +105,9 @@ def test_two_live_replicas_move_and_a_budget_change_reaches_only_one(
                 if SHOTS:
                     Path(SHOTS).mkdir(parents=True, exist_ok=True)
                     page.screenshot(path=str(Path(SHOTS) / "fleet.png"), full_page=True)
+            except BaseException:
+                print(f"---- the page when the test failed ----\n{log.report()}")
+                raise
             finally:
                 browser.close()
 
