@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab:
 
 
 def start_server(
-    args: argparse.Namespace, model: str, running: int, root: Path = ROOT
+    args: argparse.Namespace, model: str, running: int, root: Path = ROOT, extra: tuple = ()
 ) -> tuple[Any, str]:
     """`python -m engine.server` from the checkout at `root` (this one, or --baseline-root)."""
     cmd = [sys.executable, "-m", "engine.server", "--model", model, "--port", "0",
@@ -124,6 +125,7 @@ def start_server(
         cmd += ["--dtype", args.dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += list(extra)
     path = os.environ.get("PYTHONPATH")  # the tree first: its `engine` is the one imported
     env = {**os.environ, "PYTHONPATH": str(root) if not path else f"{root}{os.pathsep}{path}"}
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True, env=env)
@@ -147,10 +149,33 @@ async def stream_one(host: str, port: int, ids: list[int], n_out: int) -> list[f
             if b'"text":' in data and b'"finish_reason":null' in data]  # fmt: skip
 
 
-async def http_run(url: str, n: int, args: argparse.Namespace, vocab: int) -> tuple[float, list]:
+async def _streams(url: str, ps: list[list[int]], n_out: int) -> list[list[float]]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
+    return list(await asyncio.gather(*(stream_one(host, int(port), p, n_out) for p in ps)))
+
+
+def _streams_in_process(job: tuple[str, list[list[int]], int]) -> list[list[float]]:
+    return asyncio.run(_streams(*job))
+
+
+def http_run(
+    url: str, n: int, args: argparse.Namespace, vocab: int, procs: int = 1
+) -> tuple[float, list]:
+    """N streams, read by `procs` client processes (one asyncio loop each): at 64 and more
+    streams one loop's own turns add to the gaps it measures. Receive times are
+    time.perf_counter's, the one monotonic clock of every process here."""
     ps = prompts(n, args.prompt_len, vocab, n)
-    runs = await asyncio.gather(*(stream_one(host, int(port), p, args.output_len) for p in ps))
+    procs = max(1, min(procs, n))
+    if procs == 1:
+        runs = asyncio.run(_streams(url, ps, args.output_len))
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        jobs = [(url, ps[k::procs], args.output_len) for k in range(procs)]
+        ctx = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+            runs = [r for part in pool.map(_streams_in_process, jobs) for r in part]
     start = max(t[0] for t in runs if t)  # every stream is decoding from here ...
     end = min(t[-1] for t in runs if t)  # ... to here
     in_window = sum(1 for t in runs for x in t if start < x <= end)
@@ -223,6 +248,21 @@ def main() -> int:
         "(e.g. `git worktree add /tmp/base main`): before and after in one run",
     )
     p.add_argument(
+        "--streams-per-client",
+        type=int,
+        default=1_000_000,
+        help="streams one client process reads (default: all in one); at 64 streams and more "
+        "a single asyncio client's own turns show in the ITL it measures",
+    )
+    p.add_argument(
+        "--server-args",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="also run the HTTP half with these extra server flags (repeatable), e.g. "
+        "--server-args='--api-switch-interval 0.005': variants measured in one run",
+    )
+    p.add_argument(
         "--hot-path",
         action="store_true",
         help="only the HTTP side's CPU per token at 64 streams (no engine, no sockets)",
@@ -243,17 +283,21 @@ def main() -> int:
 
         vocab = read_config(resolve(model, progress=False).path)[0].vocab_size
         alone = engine_alone(args, model, counts, vocab)
-        trees = [("this tree", ROOT)]
+        trees: list[tuple[str, Path, tuple[str, ...]]] = [("this tree", ROOT, ())]
+        for extra in args.server_args:
+            trees.append((f"this tree, {extra}", ROOT, tuple(shlex.split(extra))))
         if args.baseline_root:
-            trees.append(("baseline " + args.baseline_root, Path(args.baseline_root).resolve()))
+            root = Path(args.baseline_root).resolve()
+            trees.append(("baseline " + args.baseline_root, root, ()))
         tables = []
-        for label, root in trees:
-            proc, url = start_server(args, model, max(counts), root)
+        for label, root, flags in trees:
+            proc, url = start_server(args, model, max(counts), root, flags)
             try:
-                asyncio.run(http_run(url, 1, args, vocab))  # warm-up
+                http_run(url, 1, args, vocab)  # warm-up
                 results = []
                 for n in counts:
-                    tok_s, itl = asyncio.run(http_run(url, n, args, vocab))
+                    procs = -(-n // args.streams_per_client)
+                    tok_s, itl = http_run(url, n, args, vocab, procs)
                     step, eng, eng_itl = alone[n]
                     results.append(Result(n, step, eng, tok_s, itl, eng_itl))
             finally:

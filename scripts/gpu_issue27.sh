@@ -18,6 +18,8 @@
 # A dry run on CPU (no wheels installed, tiny sizes):
 #     DEVICE=cpu MODEL=tiny PROMPT=16 OUTPUT=8 STREAMS=1,4 RUNNING=4 SKIP_INSTALL=1 \
 #       STEPS="http overhead" bash scripts/gpu_issue27.sh
+# HTTP_ARGS: more bench_http.py flags, e.g. "--streams-per-client 16" or
+#   "--server-args=--api-switch-interval=0.005" (a variant measured in the same call).
 # Writes $OUT/issue27.log; about 7 minutes on a fresh machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,7 +100,7 @@ if has http; then
   section "bench_http: engine alone against HTTP"
   timeout 300 $PY scripts/bench_http.py --model "$MODEL" "${LOAD[@]}" --device "$DEVICE" \
     --policy mixed --budget 8192 --prompt-len "$PROMPT" --output-len "$OUTPUT" \
-    --streams "$STREAMS" "${BASE[@]}"
+    --streams "$STREAMS" "${BASE[@]}" ${HTTP_ARGS:-}
 fi
 
 if has overhead; then

@@ -38,6 +38,13 @@ def seconds(text: str) -> float:
     return value
 
 
+def switch_interval(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] seconds, got {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class ServerArgs(EngineConfig):
     """The engine's settings and the server's: what `python -m engine.server` is started with."""
@@ -77,6 +84,12 @@ class ServerArgs(EngineConfig):
     engine_gone_grace: float = setting(
         5.0, "seconds the API process answers 503 after the engine process died, before it "
         "exits with status 1", parse=seconds, metavar="SECONDS",
+    )  # fmt: skip
+    api_switch_interval: float = setting(
+        0.0005, "the API process's GIL switch interval: how long a thread with work (the engine's "
+        "events, a stream's write) may wait for another that holds the GIL. Python's default of "
+        "5 ms put multi-millisecond gaps into token streams under load", parse=switch_interval,
+        metavar="SECONDS",
     )  # fmt: skip
     trace: str | None = setting(
         None, "write every published message to FILE as JSON lines", metavar="FILE"

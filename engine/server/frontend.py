@@ -146,6 +146,9 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     stop = threading.Event()
     settings = json.loads(sys.stdin.read())
+    # Four threads share this process's GIL (engine events, WebSocket clients, HTTP streams,
+    # main): a thread woken by I/O waits for the holder to yield it, up to this long
+    sys.setswitchinterval(settings["api_switch_interval"])
     engine = EngineClient(settings["ipc"], parent_pid=settings["parent_pid"]).start()
     died: list[str] = []
 
