@@ -328,6 +328,34 @@ def test_abort_button_shows_success(live_app: tuple[str, str]) -> None:
         assert page.get_by_test_id("stAlertContentError").count() == 0
 
 
+def test_a_chart_script_that_failed_to_load_is_loaded_again(live_app: tuple[str, str]) -> None:
+    """plotly.js fails once on its way (a busy server, a dropped connection): the next update
+    loads it again and the charts are drawn, rather than a page without charts for good."""
+    failed: list[str] = []
+
+    def once(route: object) -> None:
+        if not failed:
+            failed.append(route.request.url)  # type: ignore[attr-defined]
+            route.abort()  # type: ignore[attr-defined]
+        else:
+            route.continue_()  # type: ignore[attr-defined]
+
+    warnings: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1300})
+            page.on("console", lambda m: warnings.append(m.text) if m.type == "warning" else None)
+            page.route("**/plotly.min.js", once)
+            page.goto(live_app[1])
+            sync_api.expect(page.locator(".stepscope-live")).to_have_count(1, timeout=60_000)
+            page.wait_for_function("() => !!window.Plotly", timeout=60_000)
+        finally:
+            browser.close()
+    assert failed, "the test's failure was never injected"
+    assert any("did not load; loading again" in w for w in warnings), warnings
+
+
 LONG_TOKENS = 60_000
 LONG_CONTEXT = 65_536
 
