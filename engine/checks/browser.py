@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -72,6 +73,19 @@ def running_engine(
         stop_process(proc)
 
 
+APP_LOGS: dict[str, Path] = {}  # a running app's URL: its process's output
+
+
+def app_log_tail(page_url: str, lines: int = 40) -> str:
+    """The last lines the Streamlit process serving `page_url` printed, with its exit status."""
+    origin = "/".join(page_url.split("/")[:3])
+    path = APP_LOGS.get(origin)
+    if path is None or not path.exists():
+        return "(no log of the page's server)"
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:]) or "(the page's server printed nothing)"
+
+
 @contextlib.contextmanager
 def running_app(engine_url: str, root: Path = ROOT, **env: str) -> Iterator[str]:
     """`streamlit run app/main.py` on a free port, watching `engine_url`; yields the page URL."""
@@ -80,9 +94,12 @@ def running_app(engine_url: str, root: Path = ROOT, **env: str) -> Iterator[str]
     env = {**inherited, "STEPSCOPE_URL": engine_url, "STEPSCOPE_AUTOSTART": "0", **env}
     argv = [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true"]
     argv += ["--server.port", str(port), "--browser.gatherUsageStats", "false"]
-    proc = subprocess.Popen(
-        argv, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    # its output goes to a file that a failing test prints (PageLog): a page that lost its
+    # server says little more than "disconnected"
+    log = tempfile.NamedTemporaryFile("w+b", prefix="streamlit-", suffix=".log", delete=False)
+    proc = subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    APP_LOGS[url] = Path(log.name)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -94,9 +111,12 @@ def running_app(engine_url: str, root: Path = ROOT, **env: str) -> Iterator[str]
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise
                 time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         stop_process(proc)
+        log.close()
+        APP_LOGS.pop(url, None)
+        Path(log.name).unlink(missing_ok=True)
 
 
 class Workload:
@@ -156,8 +176,9 @@ class PageLog:
     and its live charts' state: printed when the test fails, so a failure seen only on a busy
     CI machine says where the page stood."""
 
-    def __init__(self, page: object, keep: int = 60) -> None:
+    def __init__(self, page: object, keep: int = 40) -> None:
         self.page, self.keep = page, keep
+        self.first: list[str] = []  # what went wrong first, and what it kept saying
         self.lines: list[str] = []
         t0 = time.monotonic()
         stamp = lambda: f"{time.monotonic() - t0:7.2f}s"  # noqa: E731
@@ -167,7 +188,11 @@ class PageLog:
         on("requestfailed", lambda r: self._add(f"{stamp()} failed: {r.url} {r.failure}"))
 
     def _add(self, line: str) -> None:
-        if "Invalid color specifier" not in line:  # Plotly's, one per trace per draw
+        if "Invalid color specifier" in line:  # Plotly's, one per trace per draw
+            return
+        if len(self.first) < self.keep:
+            self.first.append(line)
+        else:
             self.lines.append(line)
             del self.lines[: -self.keep]
 
@@ -178,7 +203,10 @@ class PageLog:
             checked = switch.is_checked(timeout=2_000) if switch.count() else None
         except Exception as exc:  # the page may be gone: the log still helps
             live, checked = f"unreadable ({exc})", None
-        return "\n".join([f"live charts: {live}", f"Live switch checked: {checked}", *self.lines])
+        head = [f"live charts: {live}", f"Live switch checked: {checked}", *self.first]
+        tail = (["..."] if self.lines else []) + self.lines
+        server = ["---- the page's server said ----", app_log_tail(self.page.url)]  # type: ignore[attr-defined]
+        return "\n".join(head + tail + server)
 
     def __enter__(self) -> PageLog:
         return self
