@@ -247,8 +247,11 @@ def controls_outdated(link: EngineLink) -> bool:
 
 
 def show_notices_now() -> None:
-    """In a fragment: if a control in it left a notice, rerun the page so the notice shows."""
-    if NOTICE_UNSHOWN.pop():
+    """In a fragment: if a control left a notice, rerun the page so the notice shows. The flag
+    stays until a full run draws the status line (`notices_line` clears it): a rerun asked for
+    here can be lost (Streamlit keeps only the newest of the requests that race it, and the
+    live charts ask several times a second), and the next run of this fragment asks again."""
+    if NOTICE_UNSHOWN.get():
         st.rerun()
 
 

@@ -86,9 +86,10 @@ class ServerArgs(EngineConfig):
         "exits with status 1", parse=seconds, metavar="SECONDS",
     )  # fmt: skip
     api_switch_interval: float = setting(
-        0.0005, "the API process's GIL switch interval: how long a thread with work (the engine's "
-        "events, a stream's write) may wait for another that holds the GIL. Python's default of "
-        "5 ms put multi-millisecond gaps into token streams under load", parse=switch_interval,
+        0.005, "the API process's GIL switch interval: how long a thread woken with work (the "
+        "engine's events, a stream's write) may wait for another that holds the GIL (default: "
+        "Python's own). Its four threads share one GIL; shorter may cut token-gap tails on a "
+        "host with cores to spare, and costs switches on a busy one", parse=switch_interval,
         metavar="SECONDS",
     )  # fmt: skip
     trace: str | None = setting(
