@@ -166,9 +166,17 @@ class Workload:
                     sent += 1
 
 
-LIVE_STATE_JS = """() => [...document.querySelectorAll('.stepscope-live')].map(r => ({
-    ...r.dataset, shown: r.offsetParent !== null,
-    status: (r.querySelector('.sl-status') || {}).textContent}))"""
+LIVE_STATE_JS = """() => [...document.querySelectorAll('.stepscope-live')].map(r => {
+    // the heading above each chart (a fleet page's replica), and whether Streamlit marked the
+    // element stale (left from an earlier run)
+    const block = r.closest('[data-testid="stElementContainer"]');
+    const heads = [...document.querySelectorAll('h1, h2, h3, h4')].filter(h =>
+        h.compareDocumentPosition(r) & Node.DOCUMENT_POSITION_FOLLOWING);
+    return {...r.dataset, shown: r.offsetParent !== null,
+            status: (r.querySelector('.sl-status') || {}).textContent,
+            under: heads.length ? heads[heads.length - 1].textContent : null,
+            stale: block ? block.getAttribute('data-stale') : null};
+})"""
 
 
 class PageLog:
@@ -201,12 +209,14 @@ class PageLog:
             live = self.page.evaluate(LIVE_STATE_JS)  # type: ignore[attr-defined]
             switch = self.page.get_by_role("switch", name="Live")  # type: ignore[attr-defined]
             checked = switch.is_checked(timeout=2_000) if switch.count() else None
+            main = self.page.locator('[data-testid="stMain"]')  # type: ignore[attr-defined]
+            outline = main.aria_snapshot(timeout=5_000)[:4000]
         except Exception as exc:  # the page may be gone: the log still helps
-            live, checked = f"unreadable ({exc})", None
+            live, checked, outline = f"unreadable ({exc})", None, ""
         head = [f"live charts: {live}", f"Live switch checked: {checked}", *self.first]
         tail = (["..."] if self.lines else []) + self.lines
         server = ["---- the page's server said ----", app_log_tail(self.page.url)]  # type: ignore[attr-defined]
-        return "\n".join(head + tail + server)
+        return "\n".join(head + tail + server + ["---- the page's main area ----", outline])
 
     def __enter__(self) -> PageLog:
         return self
