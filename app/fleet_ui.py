@@ -22,7 +22,7 @@ from typing import Any
 
 import streamlit as st
 
-from app import controls, external
+from app import controls, external, session
 from app.client import EngineLink, NotConnected, valid_url
 from app.fleet_replay import clock_offsets
 from app.kvmap import PageMapStore
@@ -242,7 +242,8 @@ def live_summary(links: Sequence[Any], configs_known: bool) -> None:
     """The summary, once a second; the first time every replica's config is in, the whole page
     once more, so the controls show the engines' values without a click (the first minute)."""
     if not configs_known and all(link.store.snapshot(last_steps=0).config for link in links):
-        st.rerun(scope="app")
+        if session.may_ask_full_run():
+            st.rerun(scope="app")
     summary_table(links)
 
 
@@ -342,6 +343,7 @@ def replica_charts(urls: tuple[str, ...], i: int) -> None:
 def render(spec: FleetSpec) -> None:
     """The whole fleet page (main.py calls this instead of the single-engine page)."""
     links = fleet_links(spec.urls)
+    session.await_hello(list(links))  # so this run draws the controls at the engines' values
     st.markdown(f"## :material/hub: stepscope: a fleet of {len(links)} engines")
     gateway = f" behind the gateway {spec.gateway}" if spec.gateway else ""
     st.caption(

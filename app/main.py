@@ -47,8 +47,6 @@ REFRESH_S = sidebar.REFRESH_S
 # While the page waits on the engine (controls not drawn yet, a prompt held), it looks this often
 # whether the full page must be redrawn; once whole, this watch is not drawn at all.
 WATCH_S = 0.25
-SETTLE_S = 1.0  # after a full run, before a fragment may ask for the next one
-HELLO_WAIT_S = 2.0  # a full run waits this long at most for a connecting engine's config
 # An external engine's OpenAI endpoint: `streamlit run app/main.py -- --openai-url URL` or env.
 OPENAI_URL = external.openai_url_from(sys.argv[1:], os.environ)
 
@@ -101,40 +99,14 @@ def page_outdated(link: EngineLink) -> bool:
     """What the full page draws has changed since it last ran, and no fragment draws it: the
     engine turned out external (or not), its config arrived (the scheduling controls), or a
     held prompt reached it (its notice). The fragments that refresh on their own ask for one
-    full run then, so the page is whole without a click. Never during a full run: it draws the
-    page anyway, and a rerun would drop what started it (a form's Submit)."""
-    if session.FULL_RUN.get():
-        return False
-    # Not while the browser may still be mounting what the last full run drew: a rerun of the
-    # whole app asked for then went out with the new widgets at their first values (seen: Live
-    # off and 100 steps in view, so the charts froze after their first update).
-    # Nor from the first timed fragment run after it: that run is the browser's first word
-    # since it drew the page.
-    ticks = session.TICKS_SINCE_FULL_RUN.get() + 1
-    session.TICKS_SINCE_FULL_RUN.set(ticks)
-    if ticks < 2 or time.monotonic() - session.FULL_RUN_END.get() < SETTLE_S:
+    full run then (when `session.may_ask_full_run`), so the page is whole without a click."""
+    if not session.may_ask_full_run():
         return False
     return (
         page_mode(link) != session.PAGE_MODE.get()
         or session.controls_outdated(link)
         or session.held_outdated()
     )
-
-
-def await_hello(link: EngineLink) -> None:
-    """An engine that is up answers within a moment: wait for its config (briefly) so this
-    run draws the controls, rather than asking for another whole run once it arrives (a
-    whole-app rerun asked by a fragment while the live charts pull is what froze them).
-    Waits for the hello, not the config itself: a watch's hello has an empty config, and
-    waiting on it held every full run of a watched engine's page for HELLO_WAIT_S."""
-    deadline = time.monotonic() + HELLO_WAIT_S
-    while time.monotonic() < deadline:
-        snap = link.store.snapshot(last_steps=0)
-        if snap.config is not None or snap.engine is not None:
-            return  # the hello is in: the engine's config (or that it has none)
-        if link.status().state not in ("connecting", "connected"):
-            return  # nothing answers (yet): the engine is starting, or gone
-        time.sleep(0.02)
 
 
 def redraw_when_outdated(link: EngineLink) -> None:
@@ -383,7 +355,7 @@ def page() -> None:
     replay = replay_ui.sidebar()  # an open recording stands in for the engine (app/replay_ui.py)
     link = replay or (None if problem else engine_link(target.url))
     if link is not None and replay is None:
-        await_hello(link)
+        session.await_hello([link])
     launcher = engine_launcher()
     mode = page_mode(link) if link is not None else external.ExternalMode(False)
     session.PAGE_MODE.set(mode)

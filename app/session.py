@@ -12,6 +12,7 @@ engine facts come from a per-tab cursor, so a long history is not copied several
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -403,3 +404,44 @@ def freeze(link: EngineLink) -> None:
         FROZEN.set(None)
     else:
         FROZEN.set(link.store.snapshot())
+
+
+# ---- full runs asked for by fragments ------------------------------------------------------------
+SETTLE_S = 1.0  # after a full run, before a fragment may ask for the next one
+HELLO_WAIT_S = 2.0  # a full run waits this long at most for a connecting engine's config
+
+
+def may_ask_full_run() -> bool:
+    """Whether a fragment may ask for a whole-app run now. Never during a full run (it draws the
+    page anyway, and a rerun would drop what started it, a form's Submit); nor while the browser
+    may still be mounting what the last full run drew: a rerun of the whole app asked for then
+    went out with the new widgets at their first values (seen: Live off and 100 steps in view,
+    so the charts froze after their first update; on the fleet page, a third chart for two
+    replicas). Nor from the first timed fragment run after it: that run is the browser's first
+    word since it drew the page."""
+    if FULL_RUN.get():
+        return False
+    ticks = TICKS_SINCE_FULL_RUN.get() + 1
+    TICKS_SINCE_FULL_RUN.set(ticks)
+    return ticks >= 2 and time.monotonic() - FULL_RUN_END.get() >= SETTLE_S
+
+
+def await_hello(links: list[EngineLink]) -> None:
+    """An engine that is up answers within a moment: wait for its config (briefly) so this full
+    run draws the controls, rather than asking for another whole run once it arrives (a
+    whole-app rerun asked by a fragment while the live charts pull is what froze them).
+    Waits for the hello, not the config itself: a watch's hello has an empty config, and
+    waiting on it held every full run of a watched engine's page for HELLO_WAIT_S."""
+    deadline = time.monotonic() + HELLO_WAIT_S
+    pending = list(links)
+    while pending and time.monotonic() < deadline:
+        pending = [link for link in pending if not _answered(link)]
+        if pending:
+            time.sleep(0.02)
+
+
+def _answered(link: EngineLink) -> bool:
+    snap = link.store.snapshot(last_steps=0)
+    if snap.config is not None or snap.engine is not None:
+        return True  # the hello is in: the engine's config (or that it has none)
+    return link.status().state not in ("connecting", "connected")  # nothing answers (yet)
