@@ -196,8 +196,6 @@ class PageLog:
         on("requestfailed", lambda r: self._add(f"{stamp()} failed: {r.url} {r.failure}"))
 
     def _add(self, line: str) -> None:
-        if "Invalid color specifier" in line:  # Plotly's, one per trace per draw
-            return
         if len(self.first) < self.keep:
             self.first.append(line)
         else:

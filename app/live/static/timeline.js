@@ -2,6 +2,7 @@
 (function (S) {
   "use strict";
   const { KINDS, WAIT_REASONS, lowerBound, color, stepsPerPixel, groups } = S;
+  const CLEAR = "rgba(0,0,0,0)";
 
   // `fixed` (compare): {x: [lo, hi], y_top} the same for every recording compared, so the same
   // place on the page is the same moment, and bars of the same height are the same size
@@ -113,7 +114,9 @@
     }
     const bar = (p, name, pattern, extra) => Object.assign({ type: "bar", name, x: p.x, y: p.y,
       base: p.base, width: p.width, customdata: p.cd,
-      marker: { color: p.color, pattern: Object.assign({ fgcolor: "white", fgopacity: 0.8, size: 6 }, pattern), line: { width: 0 } },
+      // an explicit clear background: an overlay pattern over per-bar colours otherwise made
+      // Plotly log "Invalid color specifier" (a console.trace) per bar, every draw
+      marker: { color: p.color, pattern: Object.assign({ fgcolor: "white", fgopacity: 0.8, size: 6, bgcolor: CLEAR }, pattern), line: { width: 0 } },
       hovertemplate: "step %{customdata[4]} · req %{customdata[0]} · %{customdata[1]} [%{customdata[2]}:%{customdata[3]})<extra></extra>",
     }, extra);
     return [
@@ -207,7 +210,7 @@
     const styles = {
       waiting: ["waiting", { color: style.wait, opacity: 0.55 }, 0.3],
       // hatching is an SVG pattern per colour: only at detail, where a chunk is wide enough to show it
-      chunk: ["prompt chunk [start:end)", labels ? { pattern: { shape: "/", fillmode: "overlay", fgcolor: "white", fgopacity: 0.8 } } : { opacity: 0.6 }, 0.62],
+      chunk: ["prompt chunk [start:end)", labels ? { pattern: { shape: "/", fillmode: "overlay", fgcolor: "white", fgopacity: 0.8, bgcolor: CLEAR } } : { opacity: 0.6 }, 0.62],
       decode: ["decoding", {}, 0.62],
       stall: ["stall (no token this step)", {}, 0.62],
       retracted: ["retracted (waiting to be recomputed)", { color: "#444", opacity: 0.85, pattern: { shape: "x", fgcolor: "#fff", fgopacity: 0.9, size: 5 } }, 0.45],
