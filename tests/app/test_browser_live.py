@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.checks.browser import Workload  # noqa: F401 (the fleet test imports it here)
+from engine.checks.browser import PageLog, Workload  # Workload: the fleet test imports it here
 from tests.app.browser_floor import FLOOR_JS
 from tests.app.test_browser import (
     CHROMIUM,
@@ -85,8 +85,9 @@ def browser_page(url: str) -> Iterator[tuple[object, object]]:
             page = browser.new_page(viewport={"width": 1600, "height": 1300})
             page.set_default_timeout(120_000)
             sync_api.expect.set_options(timeout=120_000)
-            page.goto(url)
-            yield browser, page
+            with PageLog(page):  # a failing test prints what the page saw
+                page.goto(url)
+                yield browser, page
         finally:
             browser.close()
 
