@@ -113,7 +113,11 @@ def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab:
 
 
 def start_server(
-    args: argparse.Namespace, model: str, running: int, root: Path = ROOT, extra: tuple = ()
+    args: argparse.Namespace,
+    model: str,
+    running: int,
+    root: Path = ROOT,
+    extra: tuple[str, ...] = (),
 ) -> tuple[Any, str]:
     """`python -m engine.server` from the checkout at `root` (this one, or --baseline-root)."""
     cmd = [sys.executable, "-m", "engine.server", "--model", model, "--port", "0",

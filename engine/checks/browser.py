@@ -77,7 +77,7 @@ APP_LOGS: dict[str, Path] = {}  # a running app's URL: its process's output
 
 
 def app_log_tail(page_url: str, lines: int = 40) -> str:
-    """The last lines the Streamlit process serving `page_url` printed, with its exit status."""
+    """The last lines the Streamlit process serving `page_url` printed."""
     origin = "/".join(page_url.split("/")[:3])
     path = APP_LOGS.get(origin)
     if path is None or not path.exists():

@@ -111,6 +111,10 @@ class ServerArgs(EngineConfig):
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
+        if not 0 < self.api_switch_interval <= 1:
+            raise InvalidRequest(
+                f"api_switch_interval must be in (0, 1] seconds, got {self.api_switch_interval}"
+            )
         for name in ("port", "http_port"):
             v = getattr(self, name)
             if v is not None and v > 65535:
