@@ -17,31 +17,77 @@ def sample_tokens(
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     """One token per row of `logits`, as an int64 tensor on the logits' device. Nothing here
-    waits for the device, so on CUDA the host can go on while the tokens are computed."""
+    waits for the device, so on CUDA the host can go on while the tokens are computed.
+
+    Greedy rows take the argmax; the other unseeded rows are sampled together, a fixed number
+    of kernels per step rather than a dozen per row (a GPU step of 64 sampled rows was mostly
+    their launches); a seeded row draws from its own generator, alone, so its sequence is its
+    seed's."""
     import torch
 
     out = logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    unseeded = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
+    # two groups, each a fixed number of kernels: rows with a top-k draw from their top
+    # candidates only (no sort of the whole vocabulary), the others from the whole row
+    for group in (
+        [i for i in unseeded if 0 < params[i].top_k < vocab],
+        [i for i in unseeded if not 0 < params[i].top_k < vocab],
+    ):
+        if group:
+            index = _on(torch.tensor(group), logits.device)
+            picked = _draw(logits.index_select(0, index), [params[i] for i in group])
+            out.index_copy_(0, index, picked)
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        # float64 and the max subtracted first: a tiny temperature (1e-300 is valid) must not
-        # overflow into inf - inf = NaN; it tends to greedy, as it should
-        row = logits[i].double()
-        row = (row - row.max()) / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.min_p > 0:  # after temperature, as vLLM and Hugging Face apply it
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop = sorted_p.cumsum(0) - sorted_p > p.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+        if not p.greedy and generators[i] is not None:
+            out[i] = _draw(logits[i : i + 1], [p], generators[i])[0]
     return out
+
+
+def _draw(
+    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab] under each row's params: temperature, then
+    top-k, min-p and top-p, as vLLM applies them."""
+    import torch
+
+    dev = logits.device
+    vocab = logits.shape[-1]
+    # float64 and the max subtracted first: a tiny temperature (1e-300 is valid) must not
+    # overflow into inf - inf = NaN; it tends to greedy, as it should
+    rows = logits.double()
+    rows = rows - rows.amax(dim=-1, keepdim=True)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float64)
+    rows = rows / _on(temps, dev)[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ids = None  # the token of each column, once the columns are no longer the vocabulary
+    if max(ks) < vocab:  # every row has a top-k: its candidates, sorted, are all it needs
+        rows, ids = torch.topk(rows, max(ks), dim=-1)
+        beyond = torch.arange(max(ks), device=dev)[None, :] >= _on(torch.tensor(ks), dev)[:, None]
+        rows = rows.masked_fill(beyond, float("-inf"))
+    elif any(p.top_p < 1.0 for p in params):  # top-p needs the mass in descending order
+        rows, ids = torch.sort(rows, dim=-1, descending=True)
+    probs = torch.softmax(rows, dim=-1)
+    if any(p.min_p > 0 for p in params):  # after temperature, as vLLM and Hugging Face apply it
+        min_p = _on(torch.tensor([p.min_p for p in params], dtype=torch.float64), dev)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = _on(torch.tensor([p.top_p for p in params], dtype=torch.float64), dev)[:, None]
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p, 0.0)
+    # The exponential race: argmax of p / Exp(1) picks i with probability p_i / sum(p), as
+    # torch.multinomial would, without its wait for the device (the step in flight)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    picked = (probs / race).argmax(dim=-1, keepdim=True)
+    return (picked if ids is None else ids.gather(1, picked)).view(-1)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without a wait: a pageable copy to a GPU first waits
+    for everything queued on the stream (the step in flight)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def token_logprobs(

@@ -1,4 +1,5 @@
-"""The WebSocket publisher: an asyncio server in its own thread that fans messages out to clients.
+"""The WebSocket publisher: an asyncio server that fans messages out to clients, in its own
+thread or on a loop it is given (the API process serves everything on one loop).
 
 The engine thread hands over whole batches of messages with `publish()`, which never waits. The
 server thread numbers each broadcast (`seq`, protocol v1.1), serializes it once, gives it to the
@@ -11,6 +12,7 @@ oldest messages; once it has lost `drop_limit` of them without catching up, it i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -141,6 +143,7 @@ class Publisher:
         self.dropped_total = 0
         self.slow_disconnects = 0
         self._thread: threading.Thread | None = None
+        self._served: concurrent.futures.Future | None = None  # serving on a shared loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -156,13 +159,19 @@ class Publisher:
         assert self._loop is not None, "publisher not started"
         return self._loop
 
-    def start(self) -> None:
-        """Bind and serve in a daemon thread; raises the bind error (e.g. port in use)."""
-        self._thread = threading.Thread(target=self._run, name="stepscope-ws", daemon=True)
-        self._thread.start()
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Bind and serve in a daemon thread, or on `loop` (another thread's running loop) when
+        given; raises the bind error (e.g. port in use)."""
+        if loop is not None:
+            # no thread of its own: what reaches it on `loop` is handled in the same turn
+            self._served = asyncio.run_coroutine_threadsafe(self._serve_reporting(), loop)
+        else:
+            self._thread = threading.Thread(target=self._run, name="stepscope-ws", daemon=True)
+            self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
-            self._thread.join()
+            if self._thread is not None:
+                self._thread.join()
             raise self._start_error
 
     def stop(self) -> None:
@@ -172,6 +181,16 @@ class Publisher:
                 self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread is not None:
             self._thread.join(timeout=15)
+        if self._served is not None:
+            with contextlib.suppress(Exception):  # its failure was logged; a timeout: give up
+                self._served.result(timeout=15)
+
+    def _on_loop(self) -> bool:
+        """Whether the caller runs on the publisher's own loop (a shared loop's other tasks)."""
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
 
     def publish(self, messages: list[Message | Record]) -> None:
         """Thread-safe, never blocks: hand a batch to the server thread in engine order.
@@ -179,6 +198,9 @@ class Publisher:
         Records are turned into dicts on the server thread, keeping that work off the engine's.
         """
         if messages and self._loop is not None:
+            if self._on_loop():
+                self._fan_out(messages)
+                return
             with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
                 self._loop.call_soon_threadsafe(self._fan_out, messages)
 
@@ -187,6 +209,9 @@ class Publisher:
         the engine's process). Each is parsed once for the sinks; its bytes go to clients as
         they are."""
         if frames and self._loop is not None:
+            if self._on_loop():  # a shared loop: no hop to another thread
+                self._fan_out_serialized(frames)
+                return
             with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
                 self._loop.call_soon_threadsafe(self._fan_out_serialized, frames)
 
@@ -247,14 +272,17 @@ class Publisher:
         self.loop.create_task(_close_or_abort(client.ws, CLOSE_TOO_SLOW, "client too slow"))
 
     def _run(self) -> None:
+        asyncio.run(self._serve_reporting())
+
+    async def _serve_reporting(self) -> None:
         try:
-            asyncio.run(self._serve())
+            await self._serve()
         except BaseException as exc:  # reported to start(); a failure after start is logged
             if not self._ready.is_set():
                 self._start_error = exc
                 self._ready.set()
             else:
-                log.exception("publisher thread failed")
+                log.exception("publisher failed")
 
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()

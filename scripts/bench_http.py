@@ -162,24 +162,42 @@ def _streams_in_process(job: tuple[str, list[list[int]], int]) -> list[list[floa
     return asyncio.run(_streams(*job))
 
 
-def http_run(
-    url: str, n: int, args: argparse.Namespace, vocab: int, procs: int = 1
-) -> tuple[float, list]:
-    """N streams, read by `procs` client processes (one asyncio loop each): at 64 and more
-    streams one loop's own turns add to the gaps it measures. Receive times are
-    time.perf_counter's, the one monotonic clock of every process here."""
-    ps = prompts(n, args.prompt_len, vocab, n)
-    procs = max(1, min(procs, n))
-    if procs == 1:
-        runs = asyncio.run(_streams(url, ps, args.output_len))
-    else:
+class Clients:
+    """Client processes, started fresh (spawn) and warmed before any stream: this process holds
+    the engine-alone half's heap, whose garbage collections would add to the gaps measured."""
+
+    def __init__(self, procs: int) -> None:
         import concurrent.futures
         import multiprocessing
 
-        jobs = [(url, ps[k::procs], args.output_len) for k in range(procs)]
-        ctx = multiprocessing.get_context("fork")
-        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
-            runs = [r for part in pool.map(_streams_in_process, jobs) for r in part]
+        self.procs = procs
+        ctx = multiprocessing.get_context("spawn")
+        self.pool = concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx)
+        list(self.pool.map(_ready, range(procs)))  # every worker up before the first stream
+
+    def run(self, url: str, ps: list[list[int]], n_out: int) -> list[list[float]]:
+        procs = max(1, min(self.procs, len(ps)))
+        jobs = [(url, ps[k::procs], n_out) for k in range(procs)]
+        return [r for part in self.pool.map(_streams_in_process, jobs) for r in part]
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _ready(_: int) -> int:
+    import gc
+
+    gc.freeze()  # the imports stay out of every collection
+    return os.getpid()
+
+
+def http_run(
+    url: str, n: int, args: argparse.Namespace, vocab: int, clients: Clients
+) -> tuple[float, list]:
+    """N streams, read by the client processes (one asyncio loop each, N / procs streams):
+    at 64 and more streams one loop's own turns add to the gaps it measures. Receive times are
+    time.perf_counter's, the one monotonic clock of every process here."""
+    runs = clients.run(url, prompts(n, args.prompt_len, vocab, n), args.output_len)
     start = max(t[0] for t in runs if t)  # every stream is decoding from here ...
     end = min(t[-1] for t in runs if t)  # ... to here
     in_window = sum(1 for t in runs for x in t if start < x <= end)
@@ -294,22 +312,25 @@ def main() -> int:
             root = Path(args.baseline_root).resolve()
             trees.append(("baseline " + args.baseline_root, root, ()))
         tables = []
+        procs = max(1, -(-max(counts) // args.streams_per_client))
+        clients = Clients(procs)
         for label, root, flags in trees:
             proc, url = start_server(args, model, max(counts), root, flags)
             try:
-                http_run(url, 1, args, vocab)  # warm-up
+                http_run(url, 1, args, vocab, clients)  # warm-up
                 results = []
                 for n in counts:
-                    procs = -(-n // args.streams_per_client)
-                    tok_s, itl = http_run(url, n, args, vocab, procs)
+                    tok_s, itl = http_run(url, n, args, vocab, clients)
                     step, eng, eng_itl = alone[n]
                     results.append(Result(n, step, eng, tok_s, itl, eng_itl))
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
             tables.append((label, results))
+        clients.close()
     print(f"model {args.model} on {args.device}, prompt {args.prompt_len}, output {args.output_len}"
-          f", policy {args.policy}, budget {args.budget}")  # fmt: skip
+          f", policy {args.policy}, budget {args.budget}; client: {procs} process(es), at most "
+          f"{min(args.streams_per_client, max(counts))} streams each")  # fmt: skip
     for label, results in tables:
         print(f"\nHTTP through {label}:")
         print_table(results)

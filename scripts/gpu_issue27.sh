@@ -8,7 +8,8 @@
 #      and ITL p50 / p99; the HTTP half also through the baseline tree's server when carried;
 #   3. bench_server.py overhead: the decode step through the server with 1 WebSocket client,
 #      then 8 and /metrics each second, against LLM alone in the same process;
-#   4. guidellm at 32 requests/s (bench_serving.py, policy mixed), its step time in its table.
+#   4. bench_sampler.py: the decode step greedy and sampled (this tree and the baseline's);
+#   5. guidellm at 32 requests/s (bench_serving.py, policy mixed), its step time in its table.
 #
 # Here, once (needs internet): the wheels, the model stub (config + SmolLM2's tokenizer files)
 # and the baseline tree (engine/ and instrumentation/ of BASE, default main) into .whl/:
@@ -53,7 +54,7 @@ PROMPT=${PROMPT:-512}
 OUTPUT=${OUTPUT:-256}
 STREAMS=${STREAMS:-1,16,64,256}
 RUNNING=${RUNNING:-64}
-STEPS=${STEPS:-jit http overhead guidellm}
+STEPS=${STEPS:-jit sampler http overhead guidellm}
 mkdir -p "$OUT"
 LOG="$OUT/issue27.log"
 exec > >(tee -a "$LOG") 2>&1
@@ -101,6 +102,14 @@ if has http; then
   timeout 300 $PY scripts/bench_http.py --model "$MODEL" "${LOAD[@]}" --device "$DEVICE" \
     --policy mixed --budget 8192 --prompt-len "$PROMPT" --output-len "$OUTPUT" \
     --streams "$STREAMS" "${BASE[@]}" ${HTTP_ARGS:-}
+fi
+
+if has sampler; then
+  section "bench_sampler: greedy against temperature sampling, this tree and the baseline"
+  for root in . ${BASE[1]:-}; do
+    timeout 150 $PY scripts/bench_sampler.py --model "$MODEL" "${LOAD[@]}" --device "$DEVICE" \
+      --streams "$RUNNING" --prompt-len "$PROMPT" --output-len 128 --root "$root"
+  done
 fi
 
 if has overhead; then

@@ -75,6 +75,12 @@ class EngineClient:
         self._thread = threading.Thread(target=self._run, name="stepscope-engine", daemon=True)
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The I/O thread's running loop (after `start()`): the API process serves on it too."""
+        assert self._loop is not None, "not started"
+        return self._loop
+
+    @property
     def info(self) -> EngineInfo:
         assert self.facts is not None, "not connected"
         return self.facts.info
@@ -145,6 +151,13 @@ class EngineClient:
 
     def _post(self, frame: bytes) -> None:
         assert self._loop is not None, "not started"
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:  # the HTTP and WebSocket handlers run here too: no hop
+            self._send_now(frame)
+            return
         with contextlib.suppress(RuntimeError):  # the I/O loop has closed: shutting down
             self._loop.call_soon_threadsafe(self._send_now, frame)
 

@@ -83,11 +83,13 @@ class ApiServer:
         return messages.hello(self.engine.now(), facts.hello, dict(h.config), h.history(), h.seq)
 
     def start(self) -> None:
-        """Bind and serve (OSError if a port is taken)."""
-        self.publisher.start()
+        """Bind and serve (OSError if a port is taken), on the engine client's loop: an event
+        batch is parsed, folded and written to every stream in one turn of one thread, with no
+        hop between threads and no wait for another thread's turn with the GIL."""
+        self.publisher.start(self.engine.loop)
         if self.http is not None:
             try:
-                self.http.start()
+                self.http.start(self.engine.loop)
             except OSError:
                 self.publisher.stop()
                 raise
@@ -146,8 +148,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     stop = threading.Event()
     settings = json.loads(sys.stdin.read())
-    # Four threads share this process's GIL (engine events, WebSocket clients, HTTP streams,
-    # main): a thread woken by I/O waits for the holder to yield it, up to this long
+    # Serving runs on one loop (ApiServer.start); the threads left (main, the odd to_thread)
+    # rarely hold the GIL, and a thread woken by I/O waits for the holder up to this long
     sys.setswitchinterval(settings["api_switch_interval"])
     engine = EngineClient(settings["ipc"], parent_pid=settings["parent_pid"]).start()
     died: list[str] = []

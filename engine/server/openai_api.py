@@ -17,6 +17,7 @@ installed. This module never imports the web app, which imports it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -64,6 +65,20 @@ class HttpConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """`fn` on `loop` after the current callback: without a thread hop when the caller already
+    runs there (the API process serves events and HTTP on one loop)."""
+    try:
+        same = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        same = False
+    if same:
+        loop.call_soon(fn)
+        return
+    with contextlib.suppress(RuntimeError):  # the HTTP loop has closed: shutting down
+        loop.call_soon_threadsafe(fn)
+
+
 class Stream:
     """One request's messages, put by the publisher thread and read on the HTTP loop."""
 
@@ -78,8 +93,7 @@ class Stream:
         self._items.append(msg)
         if not self._wake_pending:
             self._wake_pending = True
-            with contextlib.suppress(RuntimeError):  # the HTTP loop has closed: shutting down
-                self._loop.call_soon_threadsafe(self._wake)
+            _call_soon(self._loop, self._wake)
 
     def _wake(self) -> None:
         self._wake_pending = False
@@ -162,8 +176,7 @@ class Router:
                 if not self._wake_scheduled:
                     self._wake_scheduled, loop = True, stream._loop
         if loop is not None:
-            with contextlib.suppress(RuntimeError):  # the HTTP loop has closed: shutting down
-                loop.call_soon_threadsafe(self._wake_all)
+            _call_soon(loop, self._wake_all)
 
     def _wake_all(self) -> None:
         """On the HTTP loop: wake every stream given messages since the last call."""
@@ -354,6 +367,7 @@ class HttpApi:
         self.port = config.port
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._served: concurrent.futures.Future | None = None  # serving on a shared loop
         self._tokens: dict[int, str] = {}  # token id → its text alone (logprobs)
 
     def token_text(self, token_id: int) -> str:
@@ -371,8 +385,9 @@ class HttpApi:
         return f"http://{host}:{self.port}"
 
     # -- lifecycle ----------------------------------------------------------------------
-    def start(self) -> None:
-        """Bind (raising OSError, e.g. port in use) and serve in a daemon thread."""
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Bind (raising OSError, e.g. port in use) and serve in a daemon thread, or on `loop`
+        (another thread's running loop) when given."""
         import uvicorn
 
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
@@ -390,13 +405,17 @@ class HttpApi:
             timeout_graceful_shutdown=2, loop="asyncio",
         )  # fmt: skip
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name="stepscope-http", daemon=True
-        )
-        self._thread.start()
+        if loop is not None:
+            self._served = asyncio.run_coroutine_threadsafe(self._server.serve([sock]), loop)
+            alive: Callable[[], bool] = lambda: not self._served.done()  # noqa: E731
+        else:
+            self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                            name="stepscope-http", daemon=True)  # fmt: skip
+            self._thread.start()
+            alive = self._thread.is_alive
         deadline = time.monotonic() + 30
         while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if not alive() or time.monotonic() > deadline:
                 raise OSError(f"the HTTP server did not start on {self.url}")
             time.sleep(0.01)
 
@@ -407,6 +426,9 @@ class HttpApi:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=STOP_TIMEOUT_S)
+        if self._served is not None:
+            with contextlib.suppress(Exception):  # a failure was logged; a timeout: give up
+                self._served.result(timeout=STOP_TIMEOUT_S)
 
     def engine_gone(self, reason: str) -> None:
         """The engine process died: every open response ends with a 503, and so does every
