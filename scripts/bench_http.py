@@ -52,6 +52,8 @@ class Result:
     http_tok_s: float = 0.0
     itl: list[float] = field(default_factory=list)
     engine_itl: list[float] = field(default_factory=list)
+    steady_itl: list[float] = field(default_factory=list)  # HTTP, while every stream decodes
+    engine_steady_itl: list[float] = field(default_factory=list)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -74,16 +76,29 @@ def engine_args(args: argparse.Namespace, model: str, running: int) -> dict[str,
                 load_format=args.load_format, max_seq_len=args.prompt_len + args.output_len + 16)  # fmt: skip
 
 
-def engine_itl(steps: list[Any]) -> list[float]:
+def engine_itl(steps: list[Any]) -> tuple[list[float], list[float]]:
     """Every request's gaps between the completions of the steps that gave it a token (its
     prompt's last piece, then its decodes): the ITL the engine alone gives this load, to set
-    beside the HTTP client's (instrumentation.metrics.gaps, the one definition of a gap)."""
+    beside the HTTP client's (instrumentation.metrics.gaps, the one definition of a gap); and
+    the same gaps in the steady window only (`steady`)."""
     times: dict[int, list[float]] = {}
     for s in steps:
         for item in s.items:
             if item.samples:
                 times.setdefault(item.uid, []).append(s.t1)
-    return [g for ts in times.values() for g in gaps(ts)]
+    runs = list(times.values())
+    return [g for ts in runs for g in gaps(ts)], steady(runs)
+
+
+def steady(runs: list[list[float]]) -> list[float]:
+    """The gaps that lie wholly in the window where every stream decodes (from the last
+    stream's first token to the first stream's last): no prompt joins the batch there, so
+    these gaps are decode steps and their delivery alone."""
+    runs = [t for t in runs if t]
+    if not runs:
+        return []
+    start, end = max(t[0] for t in runs), min(t[-1] for t in runs)
+    return [g for t in runs for g in gaps([x for x in t if start <= x <= end])]
 
 
 def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab: int) -> dict:
@@ -193,7 +208,7 @@ def _ready(_: int) -> int:
 
 def http_run(
     url: str, n: int, args: argparse.Namespace, vocab: int, clients: Clients
-) -> tuple[float, list]:
+) -> tuple[float, list[float], list[float]]:
     """N streams, read by the client processes (one asyncio loop each, N / procs streams):
     at 64 and more streams one loop's own turns add to the gaps it measures. Receive times are
     time.perf_counter's, the one monotonic clock of every process here."""
@@ -202,7 +217,7 @@ def http_run(
     end = min(t[-1] for t in runs if t)  # ... to here
     in_window = sum(1 for t in runs for x in t if start < x <= end)
     itl = [g for t in runs for g in gaps(t)]
-    return (in_window / (end - start) if end > start else float("nan")), itl
+    return (in_window / (end - start) if end > start else float("nan")), itl, steady(runs)
 
 
 def hot_path(streams: int = 64, tokens: int = 200) -> float:
@@ -320,9 +335,11 @@ def main() -> int:
                 http_run(url, 1, args, vocab, clients)  # warm-up
                 results = []
                 for n in counts:
-                    tok_s, itl = http_run(url, n, args, vocab, clients)
-                    step, eng, eng_itl = alone[n]
-                    results.append(Result(n, step, eng, tok_s, itl, eng_itl))
+                    tok_s, itl, steady_itl = http_run(url, n, args, vocab, clients)
+                    step, eng, (eng_itl, eng_steady) = alone[n]
+                    results.append(
+                        Result(n, step, eng, tok_s, itl, eng_itl, steady_itl, eng_steady)
+                    )
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
@@ -338,18 +355,24 @@ def main() -> int:
 
 
 def print_table(results: list[Result]) -> None:
-    """The step is the median period of full decode steps; "engine ITL p99" is the same load's
-    token gaps through `LLM` alone (prompt steps included), the fair yardstick for HTTP's p99."""
+    """The step is the median period of full decode steps. "engine ITL p99" is the same load's
+    token gaps through `LLM` alone (prompt steps included), the fair yardstick for HTTP's p99;
+    "steady" counts only the gaps while every stream decodes (no prompt joins): decode steps
+    and their delivery, to set beside the step."""
     print("| streams | engine step | engine tok/s | HTTP tok/s | HTTP/engine | ITL p50 | ITL p99 "
-          "| p99 / step | engine ITL p99 | HTTP p99 / engine p99 |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+          "| p99 / step | engine ITL p99 | HTTP p99 / engine p99 | steady ITL p99: HTTP / engine "
+          "| steady HTTP p99 / step |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in results:
         p50, p99 = percentile(r.itl, 50) or 0.0, percentile(r.itl, 99) or 0.0
         e99 = percentile(r.engine_itl, 99) or float("nan")
+        s99 = percentile(r.steady_itl, 99) or float("nan")
+        se99 = percentile(r.engine_steady_itl, 99) or float("nan")
         print(f"| {r.streams} | {r.engine_step_s * 1e3:.2f} ms | {r.engine_tok_s:,.0f} | "
               f"{r.http_tok_s:,.0f} | {r.http_tok_s / r.engine_tok_s:.2f} | {p50 * 1e3:.2f} ms | "
               f"{p99 * 1e3:.2f} ms | {p99 / r.engine_step_s:.1f} | {e99 * 1e3:.2f} ms | "
-              f"{p99 / e99:.2f} |", flush=True)  # fmt: skip
+              f"{p99 / e99:.2f} | {s99 * 1e3:.2f} / {se99 * 1e3:.2f} ms | "
+              f"{s99 / r.engine_step_s:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
