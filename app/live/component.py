@@ -51,7 +51,7 @@ SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "pagemap.js", "swee
 # all: an answer to a pull starts exactly where the browser is, while a timer's payload must
 # repeat recent batches (OVERLAP), so the timer is slow (at 0.25 s it sent 3x the bytes and took
 # script-thread turns from the pulls).
-PULL_MS = 100
+PULL_MS = 90
 IDLE_MS = 0
 HOLD_S = 0.3  # bounds how long a click waits behind a held pull, too
 LIVE_EVERY_S = 1.0
