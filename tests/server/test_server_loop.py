@@ -122,3 +122,24 @@ def test_an_engine_failure_is_counted_published_up_to_it_and_raised() -> None:
     loop.stop()
     loop.run()  # stops at once; calls still queued are cancelled, not left hanging
     assert after.cancelled() or after.done()
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_gpu_engine_hands_over_every_step_even_when_it_never_waits(device: str) -> None:
+    """A GPU engine's host may be the slower side (a 1-stream decode on an H200): the device
+    never makes it wait, so no wait hook flushes; each step's events must still go out with
+    that step, not ten steps at a time. A CPU engine batches fast steps."""
+    import torch
+
+    llm = FakeLLM([[f"s{k}"] for k in range(20)])
+    llm.device = torch.device(device)  # type: ignore[attr-defined]
+    batches: list[list[str]] = []
+    loop = EngineLoop(llm, batches.append).attach()
+    for _ in range(20):
+        loop.run_once()
+    loop.flush()
+    assert [ev for b in batches for ev in b] == [f"s{k}" for k in range(20)]
+    if device == "cuda":
+        assert batches == [[f"s{k}"] for k in range(20)]
+    else:  # 20 fake steps take far less than FLUSH_INTERVAL_S
+        assert len(batches) < 20
