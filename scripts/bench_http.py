@@ -54,6 +54,7 @@ class Result:
     engine_itl: list[float] = field(default_factory=list)
     steady_itl: list[float] = field(default_factory=list)  # HTTP, while every stream decodes
     engine_steady_itl: list[float] = field(default_factory=list)
+    cores: dict[str, float] = field(default_factory=dict)  # server processes' CPU during the run
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -220,6 +221,24 @@ def http_run(
     return (in_window / (end - start) if end > start else float("nan")), itl, steady(runs)
 
 
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of the server process (`engine`) and of each child (the
+    API process), from /proc: which side is short of a core when streams grow."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return out
+    for name, p in [("engine", pid), *((f"api {c}", int(c)) for c in children)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def hot_path(streams: int = 64, tokens: int = 200) -> float:
     """CPU seconds per token of the HTTP side alone (router, streams, choices, SSE bytes), fed
     one step's token per stream at a time as the publisher would: no engine, no sockets."""
@@ -335,11 +354,13 @@ def main() -> int:
                 http_run(url, 1, args, vocab, clients)  # warm-up
                 results = []
                 for n in counts:
+                    before, t0 = cpu_seconds(proc.pid), time.monotonic()
                     tok_s, itl, steady_itl = http_run(url, n, args, vocab, clients)
+                    span, after = time.monotonic() - t0, cpu_seconds(proc.pid)
                     step, eng, (eng_itl, eng_steady) = alone[n]
-                    results.append(
-                        Result(n, step, eng, tok_s, itl, eng_itl, steady_itl, eng_steady)
-                    )
+                    r = Result(n, step, eng, tok_s, itl, eng_itl, steady_itl, eng_steady)
+                    r.cores = {k: (after[k] - before.get(k, 0.0)) / span for k in after}
+                    results.append(r)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
@@ -373,6 +394,9 @@ def print_table(results: list[Result]) -> None:
               f"{p99 * 1e3:.2f} ms | {p99 / r.engine_step_s:.1f} | {e99 * 1e3:.2f} ms | "
               f"{p99 / e99:.2f} | {s99 * 1e3:.2f} / {se99 * 1e3:.2f} ms | "
               f"{s99 / r.engine_step_s:.1f} |", flush=True)  # fmt: skip
+    for r in results:
+        use = ", ".join(f"{k} {v:.2f}" for k, v in r.cores.items())
+        print(f"cores busy at {r.streams} streams: {use}")
 
 
 if __name__ == "__main__":
