@@ -229,8 +229,10 @@
         fig = progressFigure(this.rec, this.style, gd.clientWidth || this.el.clientWidth || 1200);
       }
       steadyTicks(fig.layout);
+      // an empty trace costs Plotly its defaults and styling all the same (the legend is ours)
+      const data = fig.data.filter((tr) => !Array.isArray(tr.x) || tr.x.length > 0);
       const t = performance.now();
-      window.Plotly.react(gd, fig.data, fig.layout, { displaylogo: false, scrollZoom: false, responsive: true });
+      window.Plotly.react(gd, data, fig.layout, { displaylogo: false, scrollZoom: false, responsive: true });
       performance.measure("stepscope-plot", { start: t, end: performance.now() });
       if (!gd._stepscopeHooked && gd.on) {
         // zooming or panning changes what is in view (and its level of detail): redraw then
