@@ -61,6 +61,7 @@ class EngineClient:
         self.on_events: Callable[[list[bytes]], None] = lambda frames: None
         self.on_gone: Callable[[str, bool], None] = lambda reason, clean: None
         self.gone: str | None = None  # why, once the engine is gone
+        self.last_event = 0.0  # time.monotonic() of the last event frame
         self.facts: EngineFacts | None = None
         self.tokenizer: Any = None  # loaded by the API process from facts.tokenizer
         self._pending: dict[int, tuple[concurrent.futures.Future, str]] = {}
@@ -214,6 +215,7 @@ class EngineClient:
     async def _events(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frame = await sock.recv()
+            self.last_event = time.monotonic()
             if frame == END:
                 self._end("the engine stopped", clean=True)
                 return

@@ -19,6 +19,8 @@ import logging
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,40 @@ class ApiServer:
             self.trace.close()
 
 
+class IdleCollector:
+    """The cyclic garbage collector, run while the engine is quiet rather than mid-stream.
+
+    Serving 256 streams keeps ~40k objects alive (each stream's coroutines, events, contexts),
+    and an automatic full collection over them stopped the one serving loop for 7-16 ms (CPU,
+    tiny model): every stream's next token late at once. Automatic collection is off; a full
+    one runs once events have paused for `QUIET_S`, at most every `IDLE_EVERY_S`, and at least
+    every `MAX_EVERY_S` under unbroken load (reference cycles wait that long to be freed;
+    everything else is freed by reference counting as before)."""
+
+    QUIET_S = 1.0
+    IDLE_EVERY_S = 5.0
+    MAX_EVERY_S = 30.0
+
+    def __init__(self, last_event: Callable[[], float]) -> None:
+        self.last_event = last_event
+        self.last_collect = time.monotonic()
+        self.collections = 0
+        gc.disable()
+
+    def tick(self) -> None:
+        """From the main thread, every half second or so."""
+        now = time.monotonic()
+        since = now - self.last_collect
+        quiet = now - self.last_event() >= self.QUIET_S
+        if (quiet and since >= self.IDLE_EVERY_S) or since >= self.MAX_EVERY_S:
+            gc.collect()
+            self.last_collect = time.monotonic()
+            self.collections += 1
+
+    def close(self) -> None:
+        gc.enable()
+
+
 class _EarlyTokenizer:
     """The tokenizer of a model given as a local directory, loaded before the engine says
     which directory it reads (`facts.tokenizer`); used only if that is the same one."""
@@ -186,9 +222,11 @@ def main() -> int:
     # live for good; out of the collector's sight, a full collection while serving walks only
     # what serving made (the two at start-up took 29 and 45 ms each; every stream waits)
     gc.freeze()
+    collector = IdleCollector(lambda: engine.last_event)
     engine.call_future("ready", **server.urls)
     while not stop.wait(0.5):
-        pass
+        collector.tick()
+    collector.close()
     if died:
         grace = settings["engine_gone_grace"]
         log.error("%s: answering 503 for %g s, then exiting", died[0], grace)

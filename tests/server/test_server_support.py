@@ -185,3 +185,30 @@ def running_server(
         assert "Traceback" not in err, err
         assert "did not stop" not in err, err  # the API process ends after the engine's END
         assert code == 0, err
+
+
+def test_the_api_process_collects_garbage_only_while_the_engine_is_quiet() -> None:
+    """Automatic collection is off while serving (a full one stalled every stream at once);
+    a collection runs once events pause, and at the latest after MAX_EVERY_S of load."""
+    import gc
+    import time
+
+    from engine.server.frontend import IdleCollector
+
+    last = [time.monotonic()]
+    collector = IdleCollector(lambda: last[0])
+    try:
+        assert not gc.isenabled()
+        collector.IDLE_EVERY_S = 0.0
+        collector.tick()  # events still flowing: no collection
+        assert collector.collections == 0
+        last[0] -= 10 * collector.QUIET_S  # the engine went quiet
+        collector.tick()
+        assert collector.collections == 1
+        last[0] = time.monotonic() + 3600  # events flowing again
+        collector.MAX_EVERY_S = 0.0  # ... for longer than the longest wait
+        collector.tick()
+        assert collector.collections == 2
+    finally:
+        collector.close()
+    assert gc.isenabled()
