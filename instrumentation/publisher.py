@@ -51,6 +51,15 @@ CLOSE_TOO_SLOW = 1008  # policy violation: the client did not read its messages
 WRITE_LIMIT = 2**16  # bytes in a connection's write buffer beyond which messages wait in its outbox
 
 
+def running_on(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether the caller runs on `loop`: then work for it needs no hop from another thread (the
+    API process serves the engine's events, WebSocket clients and HTTP on one loop)."""
+    try:
+        return loop is not None and asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
     host: str = "127.0.0.1"
@@ -185,20 +194,13 @@ class Publisher:
             with contextlib.suppress(Exception):  # its failure was logged; a timeout: give up
                 self._served.result(timeout=15)
 
-    def _on_loop(self) -> bool:
-        """Whether the caller runs on the publisher's own loop (a shared loop's other tasks)."""
-        try:
-            return asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            return False
-
     def publish(self, messages: list[Message | Record]) -> None:
         """Thread-safe, never blocks: hand a batch to the server thread in engine order.
 
         Records are turned into dicts on the server thread, keeping that work off the engine's.
         """
         if messages and self._loop is not None:
-            if self._on_loop():
+            if running_on(self._loop):
                 self._fan_out(messages)
                 return
             with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down
@@ -209,7 +211,7 @@ class Publisher:
         the engine's process). Each is parsed once for the sinks; its bytes go to clients as
         they are."""
         if frames and self._loop is not None:
-            if self._on_loop():  # a shared loop: no hop to another thread
+            if running_on(self._loop):  # a shared loop: no hop to another thread
                 self._fan_out_serialized(frames)
                 return
             with contextlib.suppress(RuntimeError):  # the loop has closed: shutting down

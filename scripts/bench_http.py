@@ -316,7 +316,7 @@ def main() -> int:
         default=[],
         metavar="ARGS",
         help="also run the HTTP half with these extra server flags (repeatable), e.g. "
-        "--server-args='--api-switch-interval 0.0005': variants measured in one run",
+        "--server-args='--max-waiting 64': variants measured in one run",
     )
     p.add_argument(
         "--hot-path",

@@ -20,7 +20,7 @@
 #     DEVICE=cpu MODEL=tiny PROMPT=16 OUTPUT=8 STREAMS=1,4 RUNNING=4 SKIP_INSTALL=1 \
 #       STEPS="http overhead" bash scripts/gpu_issue27.sh
 # HTTP_ARGS: more bench_http.py flags, e.g. "--streams-per-client 16" or
-#   "--server-args=--api-switch-interval=0.0005" (a variant measured in the same call).
+#   "--server-args=--max-waiting=64" (a variant of the server measured in the same call).
 # Writes $OUT/issue27.log; about 7 minutes on a fresh machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."

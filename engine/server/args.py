@@ -38,13 +38,6 @@ def seconds(text: str) -> float:
     return value
 
 
-def switch_interval(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] seconds, got {text}")
-    return value
-
-
 @dataclass(frozen=True)
 class ServerArgs(EngineConfig):
     """The engine's settings and the server's: what `python -m engine.server` is started with."""
@@ -85,13 +78,6 @@ class ServerArgs(EngineConfig):
         5.0, "seconds the API process answers 503 after the engine process died, before it "
         "exits with status 1", parse=seconds, metavar="SECONDS",
     )  # fmt: skip
-    api_switch_interval: float = setting(
-        0.005, "the API process's GIL switch interval: how long a thread woken with work (the "
-        "engine's events, a stream's write) may wait for another that holds the GIL (default: "
-        "Python's own). Its four threads share one GIL; shorter may cut token-gap tails on a "
-        "host with cores to spare, and costs switches on a busy one", parse=switch_interval,
-        metavar="SECONDS",
-    )  # fmt: skip
     trace: str | None = setting(
         None, "write every published message to FILE as JSON lines", metavar="FILE"
     )
@@ -111,10 +97,6 @@ class ServerArgs(EngineConfig):
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
-        if not 0 < self.api_switch_interval <= 1:
-            raise InvalidRequest(
-                f"api_switch_interval must be in (0, 1] seconds, got {self.api_switch_interval}"
-            )
         for name in ("port", "http_port"):
             v = getattr(self, name)
             if v is not None and v > 65535:

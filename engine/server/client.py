@@ -27,6 +27,7 @@ import zmq.asyncio
 from engine.config import EngineInfo
 from engine.prompts import check_fits, encode_prompt
 from engine.server.ipc import CALL_TIMEOUT_S, END, decode, encode_call, endpoints, rebuild_error
+from instrumentation.publisher import running_on
 
 log = logging.getLogger("stepscope.http")
 PARENT_POLL_S = 0.2
@@ -152,11 +153,7 @@ class EngineClient:
 
     def _post(self, frame: bytes) -> None:
         assert self._loop is not None, "not started"
-        try:
-            on_loop = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:  # the HTTP and WebSocket handlers run here too: no hop
+        if running_on(self._loop):  # the HTTP and WebSocket handlers run here too: no hop
             self._send_now(frame)
             return
         with contextlib.suppress(RuntimeError):  # the I/O loop has closed: shutting down

@@ -104,7 +104,6 @@ def api_settings(args: Args, directory: str) -> dict[str, Any]:
         "client_drop_limit": args.client_drop_limit,
         "client_socket_buffer": getattr(args, "client_socket_buffer", None),
         "engine_gone_grace": getattr(args, "engine_gone_grace", ServerArgs.engine_gone_grace),
-        "api_switch_interval": getattr(args, "api_switch_interval", ServerArgs.api_switch_interval),
         "trace": args.trace,
         "metrics_token": getattr(args, "metrics_token", None),
         "metrics_compat": getattr(args, "metrics_compat", None),

@@ -184,9 +184,6 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     stop = threading.Event()
     settings = json.loads(sys.stdin.read())
-    # Serving runs on one loop (ApiServer.start); the threads left (main, the odd to_thread)
-    # rarely hold the GIL, and a thread woken by I/O waits for the holder up to this long
-    sys.setswitchinterval(settings["api_switch_interval"])
     engine = EngineClient(settings["ipc"], parent_pid=settings["parent_pid"]).start()
     died: list[str] = []
 

@@ -35,6 +35,7 @@ from engine.server.client import EngineClient, EngineGone
 from engine.server.openai_errors import ApiError
 from engine.server.openai_response import TokenLogprob, Usage
 from engine.server.prometheus import EngineMetrics
+from instrumentation.publisher import running_on
 
 if TYPE_CHECKING:  # the request models need pydantic, which only the web app imports
     from engine.server.openai_schema import GenerationRequest
@@ -68,11 +69,7 @@ class HttpConfig:
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
     """`fn` on `loop` after the current callback: without a thread hop when the caller already
     runs there (the API process serves events and HTTP on one loop)."""
-    try:
-        same = asyncio.get_running_loop() is loop
-    except RuntimeError:
-        same = False
-    if same:
+    if running_on(loop):
         loop.call_soon(fn)
         return
     with contextlib.suppress(RuntimeError):  # the HTTP loop has closed: shutting down
