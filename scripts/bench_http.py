@@ -102,6 +102,16 @@ def steady(runs: list[list[float]]) -> list[float]:
     return [g for t in runs for g in gaps([x for x in t if start <= x <= end])]
 
 
+def decode_period(steps: list[Any], n: int) -> float:
+    """The median period between decode steps that held all `n` requests: the gap between
+    consecutive steps' completions (under overlap scheduling a record's t1 - t0 spans the next
+    step's launch too, about 2x the period). NaN if there were none."""
+    done = [s.t1 for s in steps]
+    full = [b - a for a, b, s in zip(done, done[1:], steps[1:], strict=False)
+            if s.phase == "decode" and len(s.items) == n]  # fmt: skip
+    return statistics.median(full) if full else float("nan")
+
+
 def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab: int) -> dict:
     """N / the median step of decode steps that held all N requests, per stream count."""
     from engine import LLM
@@ -116,12 +126,7 @@ def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab:
     for n in counts:
         steps.clear()
         llm.generate(prompts(n, args.prompt_len, vocab, n), [params] * n)
-        # The step period: the gap between consecutive steps' completions. Under overlap
-        # scheduling a record's t1 - t0 spans the next step's launch too (about 2x the period).
-        done = [s.t1 for s in steps]
-        full = [b - a for a, b, s in zip(done, done[1:], steps[1:], strict=False)
-                if s.phase == "decode" and len(s.items) == n]  # fmt: skip
-        step = statistics.median(full) if full else float("nan")
+        step = decode_period(steps, n)
         out[n] = (step, n / step, engine_itl(steps))
     if hasattr(llm, "close"):
         llm.close()

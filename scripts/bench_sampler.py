@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +40,10 @@ def main() -> int:
     from engine import LLM
     from instrumentation.sampling import SamplingParams
 
+    # after the engine is imported from `root`: bench_http puts this checkout first on the path
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+    from scripts.bench_http import decode_period
+
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model == "tiny":
@@ -60,16 +63,13 @@ def main() -> int:
         llm.generate(ps[:2], SamplingParams(max_tokens=8, temperature=1.0))  # warm-up
         print(f"engine from {root}; {args.streams} requests, {args.prompt_len} + "
               f"{args.output_len} tokens, {args.device}\n")  # fmt: skip
-        print("| sampling | decode step p50 | steps |\n|---|---|---|")
+        print("| sampling | decode step p50 |\n|---|---|")
         for name, fields in VARIANTS.items():
             steps.clear()
             params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **fields)
             llm.generate(ps, params)
-            done = [s.t1 for s in steps]
-            full = [b - a for a, b, s in zip(done, done[1:], steps[1:], strict=False)
-                    if s.phase == "decode" and len(s.items) == args.streams]  # fmt: skip
-            step = statistics.median(full) if full else float("nan")
-            print(f"| {name} | {step * 1e3:.2f} ms | {len(full)} |", flush=True)
+            step = decode_period(steps, args.streams)
+            print(f"| {name} | {step * 1e3:.2f} ms |", flush=True)
     return 0
 
 
