@@ -329,6 +329,8 @@ def main() -> int:
         help="only the HTTP side's CPU per token at 64 streams (no engine, no sockets)",
     )
     args = p.parse_args()
+    if args.streams_per_client < 1:
+        p.error("--streams-per-client must be at least 1")
     if args.hot_path:
         runs = sorted(hot_path() for _ in range(5))
         print(f"HTTP side, 64 streams: {runs[2] * 1e6:.1f} us CPU per token (median of 5)")
