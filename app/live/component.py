@@ -43,10 +43,10 @@ _component = v2.component(
 # The charts' files, in load order: data.js first (the others read it), view.js last.
 SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "pagemap.js", "sweep.js", "view.js")
 # The browser asks for the next batch at most this often (11 a second: a 100 ms period drew
-# 9.4-9.9 updates/s for a 200-steps/s engine, the timer firing late behind a draw). A pull that finds nothing
-# new is held on the server until the engine's next step lands (at most HOLD_S), so a step is
-# drawn as soon as it arrives rather than at the next poll: with polling, a page whose pulls
-# are out of phase with the engine's steps drew 1.9 updates/s against 3.4 steps/s. The browser
+# 9.4-9.9 updates/s for a 200-steps/s engine, the timer firing late behind a draw). A pull that
+# finds nothing new is held on the server until the engine's next step lands (at most HOLD_S),
+# so a step is drawn as soon as it arrives rather than at the next poll: with polling, a page
+# whose pulls are out of phase with the engine's steps drew 1.9 updates/s against 3.4 steps/s. The browser
 # waits IDLE_MS before asking again after an answer with nothing new. The charts' fragment also
 # reruns on its own every LIVE_EVERY_S, a fallback for a pull Streamlit answered late or not at
 # all: an answer to a pull starts exactly where the browser is, while a timer's payload must
@@ -58,7 +58,7 @@ HOLD_S = 0.3  # bounds how long a click waits behind a held pull, too
 LIVE_EVERY_S = 1.0
 OVERLAP = 3  # batches each payload covers
 # Level of detail: per-request segments while each step in view is at least this many pixels
-# wide and there are at most this many segments; per-step totals past that. Plotly takes ~25 ms
+# wide and there are at most this many segments; per-step totals past that. Plotly takes ~28 ms
 # per 1,000 bars a draw (2,600 segments: 70 ms, and a 7-steps/s engine's page fell to 0.6 of
 # its steps; at 2,000: 0.98-1.0).
 PX_PER_STEP = 3
