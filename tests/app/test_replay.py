@@ -363,7 +363,7 @@ def test_replay_disables_every_control_that_cannot_act(replay_app: AppTest, runs
 @pytest.fixture
 def replay_page(runs: dict) -> Iterator[str]:
     """The page with nothing answering at its URL, no autostart: recordings are opened in it."""
-    from tests.app.test_browser import free_port, running_app
+    from tests.browser.harness import free_port, running_app
 
     with running_app(f"ws://127.0.0.1:{free_port()}") as url:
         yield url
@@ -371,7 +371,8 @@ def replay_page(runs: dict) -> Iterator[str]:
 
 @pytest.mark.browser
 def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_path: Path) -> None:
-    from tests.app.test_browser import CHROMIUM, CHROMIUM_ARGS, act_until
+    from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS
+    from tests.browser.test_browser import act_until
 
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed at /usr/bin/chromium")

@@ -4,7 +4,7 @@ Starts `python -m engine.server` on the tiny random Llama (tests/conftest.py) an
 `streamlit run app/main.py`, submits a prompt through the form, waits for steps to appear in the
 live charts (app/live, drawn by plotly.js in the page), moves the budget slider, and sees the new
 budget in later steps. Waits are on what the page shows, never on script state, since fragments
-keep rerunning. `running_engine` and `running_app` serve the other browser tests too.
+keep rerunning. `running_engine` and `running_app` are in harness.py.
 """
 
 from __future__ import annotations
@@ -14,15 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.checks.browser import (  # noqa: F401 (the browser tests import them from here)
-    CHROMIUM,
-    CHROMIUM_ARGS,
-    ROOT,
-    free_port,
-    running_app,
-    running_engine,
-)
-from engine.checks.browser import stop_process as _stop  # noqa: F401
+from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, running_app, running_engine
 
 pytestmark = [
     pytest.mark.browser,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.app import test_browser
-from tests.app.test_browser import act_until, running_app, running_engine, status_line
-from tests.app.test_browser_live import SHOTS, TIMELINE, browser_page, sync_api
+from tests.browser import test_browser
+from tests.browser.harness import running_app, running_engine
+from tests.browser.test_browser import act_until, status_line
+from tests.browser.test_browser_live import SHOTS, TIMELINE, browser_page, sync_api
 
 N_PRESET = 16  # the preset's requests
 FLAGS = ("--num-pages", "640", "--max-extend-tokens", "64", "--policy", "mixed", "--threads", "1")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.checks.browser import PageLog
-from tests.app.test_browser import CHROMIUM, CHROMIUM_ARGS, free_port, running_app, submit
+from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, free_port, running_app
+from tests.browser.test_browser import submit
 
 pytestmark = [
     pytest.mark.browser,

@@ -15,10 +15,8 @@ from pathlib import Path
 import pytest
 
 from app.fleet_ui import FleetSpec, clock_offsets, load_fleet_file, parse_engine_urls, spec_for
-from engine.checks.browser import PageLog
 from engine.server.fleet import Fleet
-from tests.app.test_browser import CHROMIUM, CHROMIUM_ARGS, running_app
-from tests.app.test_browser_live import Workload
+from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, Workload, running_app
 
 SHOTS = os.environ.get("STEPSCOPE_SCREENSHOTS")
 LIVE = ".stepscope-live"

@@ -30,14 +30,17 @@ from pathlib import Path
 
 import pytest
 
-from engine.checks.browser import PageLog, Workload  # Workload: the fleet test imports it here
-from tests.app.browser_floor import FLOOR_JS
-from tests.app.test_browser import (
+from tests.browser.browser_floor import FLOOR_JS
+from tests.browser.harness import (
     CHROMIUM,
     CHROMIUM_ARGS,
-    act_until,
+    PageLog,
+    Workload,
     running_app,
     running_engine,
+)
+from tests.browser.test_browser import (
+    act_until,
     status_line,
     submit,
 )

@@ -1,5 +1,5 @@
-"""The same browser's floor for the live charts' per-update time (tests/app/test_browser_live.py and
-scripts/bench_figures.py --browser): one Plotly.react of a 1,000-point line, median of 20."""
+"""The same browser's floor for the live charts' per-update time (tests/browser/test_browser_live.py
+and scripts/bench_figures.py --browser): one Plotly.react of a 1,000-point line, median of 20."""
 
 FLOOR_JS = """() => {
     const gd = document.createElement('div');

@@ -1,6 +1,6 @@
-"""What the browser tests and the page benchmark share (scripts never import the tests): a
-`python -m engine.server` and a `streamlit run app/main.py` started on free ports and stopped
-again, Debian's chromium and its flags, and a protocol client that keeps requests decoding."""
+"""The browser tests' harness (the page benchmarks use it too): a `python -m engine.server` and a
+`streamlit run app/main.py` started on free ports and stopped again, Debian's chromium and its
+flags, and a protocol client that keeps requests decoding."""
 
 from __future__ import annotations
 

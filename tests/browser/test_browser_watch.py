@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.test_browser import CHROMIUM, CHROMIUM_ARGS, ROOT, _stop, running_app
+from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, ROOT, running_app, stop_process
 
 pytestmark = [
     pytest.mark.browser,
@@ -52,7 +52,7 @@ def running_watch(*args: str) -> Iterator[str]:
         threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
         yield url
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 # ---- a recorded vLLM 0.32 CPU run: steps, KV usage, KV events (issue 26, must-show 5) ----
