@@ -52,8 +52,8 @@ class ApiServer:
             sinks.append(self.trace)
         self.http = None
         if settings.get("http_port") is not None:
-            from engine.server.openai_api import build_http_api
-            from engine.server.openai_app import build_app
+            from engine.server.openai.api import build_http_api
+            from engine.server.openai.app import build_app
 
             self.http = build_http_api(
                 engine, host=settings["host"], port=settings["http_port"],
@@ -198,7 +198,7 @@ def main() -> int:
     import transformers  # noqa: F401
 
     if settings.get("http_port") is not None:
-        from engine.server import openai_api, openai_app  # noqa: F401
+        from engine.server.openai import api, app  # noqa: F401
     early = _early_tokenizer(settings["model"])
     try:
         facts = engine.connect(stop)

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.fleet_replay import FleetRecording
 from engine.server.fleet import Fleet, FleetInfo, build_parser, free_port
-from engine.server.openai_schema import ApiError
-from engine.server.sglang_api import to_completion_body
+from engine.server.openai.schema import ApiError
+from engine.server.sglang.worker import to_completion_body
 
 # One xdist worker runs this module, so its module-scoped fleet is set up once (tests spread
 # over both workers had each worker set up its own).

@@ -212,7 +212,7 @@ def test_one_trace_gives_the_same_figures_everywhere(llm: Any, policy: str, tmp_
     from app.derive import headline
     from app.replay import Recording
     from app.state import EventStore
-    from engine.server.prometheus import EngineMetrics
+    from engine.server.metrics.prometheus import EngineMetrics
     from instrumentation.metrics import percentile
     from instrumentation.sampling import SamplingParams
     from instrumentation.sweep import RunTrace, summary_row

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import InvalidStatus
 
 from engine.detokenizer import StopMatcher
-from engine.server.openai_schema import ApiError, parse_request
+from engine.server.openai.schema import ApiError, parse_request
 from tests.server.test_server_support import ServerProcess
 
 # One xdist worker runs this module, so its module-scoped server is set up once (tests spread
@@ -820,8 +820,8 @@ def test_metrics_has_its_own_token_and_is_open_without_one() -> None:
     from starlette.responses import PlainTextResponse
     from starlette.testclient import TestClient
 
-    from engine.server.openai_api import HttpConfig
-    from engine.server.openai_app import _Guard
+    from engine.server.openai.api import HttpConfig
+    from engine.server.openai.app import _Guard
 
     ok = PlainTextResponse("ok")
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from engine.server.openai_api import HttpConfig, generation_defaults
-from engine.server.openai_app import Endpoints
-from engine.server.openai_schema import ApiError, parse_request
+from engine.server.openai.api import HttpConfig, generation_defaults
+from engine.server.openai.app import Endpoints
+from engine.server.openai.schema import ApiError, parse_request
 
 
 def endpoints(defaults: dict[str, Any], tokenizer: Any = None) -> Endpoints:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server.prometheus import ITL_BUCKETS, TTFT_BUCKETS, EngineMetrics
+from engine.server.metrics.prometheus import ITL_BUCKETS, TTFT_BUCKETS, EngineMetrics
 
 VLLM_NAMES = [
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",

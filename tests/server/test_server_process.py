@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from engine.server.openai_api import Router, Stream
+from engine.server.openai.api import Router, Stream
 from tests.server.test_openai_api import ApiServer
 
 

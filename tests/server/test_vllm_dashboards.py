@@ -17,8 +17,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server.prometheus import EngineMetrics
-from engine.server.prometheus_vllm import HttpStats
+from engine.server.metrics.prometheus import EngineMetrics
+from engine.server.metrics.vllm import HttpStats
 from tests.server.test_prometheus import feed, req, step, tok
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm-dashboards"

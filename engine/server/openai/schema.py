@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.server.openai_errors import ApiError, Endpoint, Message, bad
+from engine.server.errors import ApiError, Endpoint, Message, bad
 from instrumentation.sampling import MAX_LOGPROBS
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "GenerationRequest", "bad", "parse_request"]

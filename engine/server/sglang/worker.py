@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.server.openai_schema import bad
+from engine.server.errors import bad
 
 
 class Endpoints(Protocol):

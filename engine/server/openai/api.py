@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from engine.detokenizer import StopMatcher
 from engine.server.client import EngineClient, EngineGone
-from engine.server.openai_errors import ApiError
-from engine.server.openai_response import TokenLogprob, Usage
-from engine.server.prometheus import EngineMetrics
+from engine.server.errors import ApiError
+from engine.server.metrics.prometheus import EngineMetrics
+from engine.server.openai.response import TokenLogprob, Usage
 from instrumentation.publisher import running_on
 
 if TYPE_CHECKING:  # the request models need pydantic, which only the web app imports
-    from engine.server.openai_schema import GenerationRequest
+    from engine.server.openai.schema import GenerationRequest
 
 log = logging.getLogger("stepscope.http")
 Message = dict[str, Any]

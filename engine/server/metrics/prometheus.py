@@ -35,7 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from engine.server.prometheus_vllm import HttpStats
+    from engine.server.metrics.vllm import HttpStats
 
 from instrumentation.metrics import request_metrics, stalled_between
 from instrumentation.protocol import ENDED_STATES, WAIT_REASONS
@@ -113,7 +113,7 @@ class EngineMetrics:
     def __init__(
         self, model_name: str, compat: str | None = None, max_model_len: int = 8192
     ) -> None:
-        from engine.server.prometheus_vllm import one_two_five
+        from engine.server.metrics.vllm import one_two_five
 
         if compat is not None and compat not in COMPAT:
             raise ValueError(f"metrics compat must be one of {COMPAT}, got {compat!r}")
@@ -207,7 +207,7 @@ class EngineMetrics:
         )
         self.http: HttpStats | None = None  # set by the HTTP API under the vLLM switch
         if compat == "vllm":
-            from engine.server.prometheus_vllm import check_bounds
+            from engine.server.metrics.vllm import check_bounds
 
             check_bounds(self)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -254,7 +254,7 @@ class EngineMetrics:
             fam.add_metric(lab, buckets, sum_value=total)
             yield fam
         if self.compat == "vllm":
-            from engine.server.prometheus_vllm import vllm_families
+            from engine.server.metrics.vllm import vllm_families
 
             yield from vllm_families(self)
             if self.http is not None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server.openai_errors import Endpoint
+from engine.server.errors import Endpoint
 
 Message = dict[str, Any]
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way

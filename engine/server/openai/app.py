@@ -28,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.server.client import EngineGone
-from engine.server.openai_api import (
+from engine.server.openai.api import (
     CLOSED,
     Choice,
     Generation,
@@ -37,13 +37,13 @@ from engine.server.openai_api import (
     Stream,
     engine_gone,
 )
-from engine.server.openai_response import (
+from engine.server.openai.response import (
     ChoiceOut,
     ResponseHead,
     chat_logprobs,
     completion_logprobs,
 )
-from engine.server.openai_schema import (
+from engine.server.openai.schema import (
     COMPLETIONS_MAX_TOKENS,
     ApiError,
     Endpoint,
@@ -51,13 +51,13 @@ from engine.server.openai_schema import (
     bad,
     parse_request,
 )
-from engine.server.sglang_api import SglangWorker
+from engine.server.sglang.worker import SglangWorker
 from instrumentation.errors import Capacity, EngineError, NotFound, TooLarge
 from instrumentation.publisher import origin_allowed
 from instrumentation.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.server.openai_api import HttpApi
+    from engine.server.openai.api import HttpApi
 
 log = logging.getLogger("stepscope.http")
 
@@ -68,7 +68,7 @@ def build_app(api: HttpApi) -> ASGIApp:
     routes = Endpoints(api).app()
     app: ASGIApp = _Guard(routes, api.config)
     if api.metrics.compat == "vllm":  # vLLM's http_requests_total and durations
-        from engine.server.prometheus_vllm import HttpStats
+        from engine.server.metrics.vllm import HttpStats
 
         paths = frozenset(getattr(r, "path", "") for r in routes.routes)
         api.metrics.http = HttpStats(paths)
