@@ -5,7 +5,8 @@ its command line from the settings in args.py) runs the engine loop (loop.py) an
 end of the wire (bridge.py, ipc.py). The API process it spawns (frontend.py) serves clients
 over the engine's client (client.py): the WebSocket protocol (instrumentation's publisher, the
 commands in commands.py), the HTTP routes (OpenAI API, SGLang's worker routes, /health,
-/metrics: openai_api.py, openai_app.py, sglang_api.py, prometheus.py) and the trace writer.
+/metrics: openai/, sglang/, metrics/, answering errors in the shape of errors.py) and the trace
+writer. fleet.py launches replicas of it behind SGLang's Model Gateway.
 """
 
 from engine.server.args import ServerArgs, build_parser, parse_args

@@ -1,5 +1,6 @@
-"""The OpenAI API's error shape, without pydantic: what the engine glue (openai_api.py) raises
-and what every endpoint answers with."""
+"""The HTTP API's error shape (OpenAI's), without pydantic: what the engine glue
+(openai/api.py) raises and what every endpoint answers with, SGLang's worker routes
+(sglang/worker.py) included."""
 
 from __future__ import annotations
 

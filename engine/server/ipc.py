@@ -10,7 +10,7 @@
   message of the single frame `END` ends the stream: the engine stopped.
 
 Ordering across the two: a submit's reply may arrive after the first events of the uid it names;
-the API's router holds such messages until the reply comes (openai_api.Router). Pickle is safe
+the API's router holds such messages until the reply comes (openai.api.Router). Pickle is safe
 here: both ends are this program, and the sockets live in a directory only its user can open.
 """
 

@@ -7,7 +7,7 @@ the prefix is renamed. Histogram buckets are supersets of vLLM's (every vLLM bou
 finer ones below 10 ms for GPU decode steps), so a query for a vLLM bucket still finds it.
 
 Under `--metrics-compat vllm` the same figures are also served under vLLM's own names, labels and
-bucket boundaries (engine/server/prometheus_vllm.py), for vLLM's Grafana dashboards unchanged.
+bucket boundaries (engine/server/metrics/vllm.py), for vLLM's Grafana dashboards unchanged.
 
 Per-request figures are instrumentation.metrics' (docs/protocol.md, "Metrics"): TTFT is first
 token minus queued, ITL the gaps between one request's consecutive tokens, TPOT and e2e latency

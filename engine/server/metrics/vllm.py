@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-# engine/server/prometheus.py's EngineMetrics and its histograms; not imported, since that
+# engine/server/metrics/prometheus.py's EngineMetrics and its histograms; not imported, since that
 # module imports this one (the layers stay acyclic)
 EngineMetrics = Any
 _Hist = Any

@@ -1,14 +1,14 @@
 """The OpenAI-compatible HTTP API's engine side: requests in, tokens out, its lifecycle.
 
-It runs in the API process (frontend.py), beside the engine process it reaches through an
-`EngineClient` (client.py). A request over HTTP is an ordinary engine request, submitted with
-`source="http"`: the page shows it like any other. Tokens come back the way they reach every
-WebSocket client: the publisher hands each message of the engine's event stream to its sinks on
-its own thread; `Router.sink` picks out the `token` and `request` messages of HTTP requests and
-hands them to that request's `Stream` on the HTTP loop, where a `Generation` turns them into
+It runs in the API process (engine/server/frontend.py), beside the engine process it reaches through
+an `EngineClient` (engine/server/client.py). A request over HTTP is an ordinary engine request,
+submitted with `source="http"`: the page shows it like any other. Tokens come back the way they
+reach every WebSocket client: the publisher hands each message of the engine's event stream to its
+sinks on its own thread; `Router.sink` picks out the `token` and `request` messages of HTTP requests
+and hands them to that request's `Stream` on the HTTP loop, where a `Generation` turns them into
 text, usage and a finish reason.
 
-The web app itself (Starlette under uvicorn, engine/server/openai_app.py) is made by the `app`
+The web app itself (Starlette under uvicorn, engine/server/openai/app.py) is made by the `app`
 factory the composition root hands in, called only by `start()`: building a server with the API
 on needs neither, so in-process benchmarks of `engine.server.build` run where they are not
 installed. This module never imports the web app, which imports it.
@@ -110,10 +110,10 @@ class Stream:
 class Router:
     """Routes `token` and `request` messages of HTTP requests to their streams.
 
-    A submit's reply and the events come on two sockets (ipc.py), so a new uid's first messages
-    may arrive before the reply names it. While any submit awaits its reply (`expect`), messages
-    of unknown uids are held, and `register` hands a uid the ones held for it; once no submit is
-    outstanding, what is held belongs to other clients' requests and is dropped."""
+    A submit's reply and the events come on two sockets (engine/server/ipc.py), so a new uid's first
+    messages may arrive before the reply names it. While any submit awaits its reply (`expect`),
+    messages of unknown uids are held, and `register` hands a uid the ones held for it; once no
+    submit is outstanding, what is held belongs to other clients' requests and is dropped."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -353,7 +353,7 @@ class HttpApi:
         app: Callable[[HttpApi], Any],
     ) -> None:
         self.engine = engine
-        self.app = app  # the ASGI app's factory (openai_app.build_app), called by start()
+        self.app = app  # the ASGI app's factory (openai.app.build_app), called by start()
         self.config = config
         self.metrics = metrics
         self.router = Router()
@@ -453,7 +453,8 @@ class HttpApi:
         return uids
 
     async def read(self, name: str, timeout: float = READ_TIMEOUT_S) -> Any:
-        """One of the engine's reads between steps (bridge.READS); a 503 if it cannot answer."""
+        """One of the engine's reads between steps (engine.server.bridge.READS); a 503 if it
+        cannot answer."""
         try:
             return await self.engine.call("read", name=name, timeout=timeout)
         except TimeoutError:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible web app: Starlette endpoints over an `HttpApi` (openai_api.py).
+"""The OpenAI-compatible web app: Starlette endpoints over an `HttpApi` (api.py).
 
 `POST /v1/completions` and `POST /v1/chat/completions` (streamed through server-sent events or
 not), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus). Errors are OpenAI's shape

@@ -10,8 +10,9 @@ What the gateway (0.3.2) calls on a worker, found by running it against a loggin
   `POST /generate`; `POST /flush_cache` on an operator's call.
 
 The load is the real one: running and waiting requests and the KV tokens in use, read on the
-engine thread between steps (bridge.READS). `/generate` is the OpenAI completion path with SGLang's body and
-response shape, so it validates and streams exactly as `/v1/completions` does.
+engine thread between steps (engine.server.bridge.READS). `/generate` is the OpenAI completion
+path with SGLang's body and response shape, so it validates and streams exactly as
+`/v1/completions` does.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from engine.server.errors import bad
 
 
 class Endpoints(Protocol):
-    """What these routes use of the OpenAI endpoints (openai_app.Endpoints), which mount them:
+    """What these routes use of the OpenAI endpoints (openai.app.Endpoints), which mount them:
     a protocol, so this module does not import the one that imports it."""
 
     api: Any
