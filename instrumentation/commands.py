@@ -1,4 +1,4 @@
-"""Parse and validate client commands (PROTOCOL.md, client → server) into typed records.
+"""Parse and validate client commands (docs/protocol.md, client → server) into typed records.
 
 Validation is strict and never clamps: a bool is not an integer, 64.0 is not an integer, NaN and
 infinities are not numbers, and a value out of range is an `invalid_request`. Whether a prompt

@@ -71,7 +71,8 @@ _TOKEN_BYTES = 64  # a float and an int in lists, and its share of the text
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One request as `hello.history.requests` shows it (PROTOCOL.md plus documented extras)."""
+    """One request as `hello.history.requests` shows it (docs/protocol.md plus documented
+    extras)."""
 
     uid: int
     state: RequestState = "waiting"

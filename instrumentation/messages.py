@@ -1,7 +1,7 @@
 """Server → client messages that are not engine events: hello, accepted, error, config, stats.
 
-Engine events (step, token, request) come from `instrumentation.records`; this module builds the rest of
-PROTOCOL.md's server messages so every reply has one definition.
+Engine events (step, token, request) come from `instrumentation.records`; this module builds
+the rest of docs/protocol.md's server messages so every reply has one definition.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Small, plain records the engine hands to its hooks: one per step, token and request event.
 
-Each `to_dict()` is the message of the same name in PROTOCOL.md (version 1), so a publisher can
-send it as it is. The engine builds them from facts it already has; they hold no tensors.
+Each `to_dict()` is the message of the same name in docs/protocol.md (version 1), so a
+publisher can send it as it is. The engine builds them from facts it already has; they hold no
+tensors.
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ class TokenEvent:
 
 @dataclass(frozen=True, slots=True)
 class RequestEvent:
-    """A request's lifecycle event; `fields` carries the event's extra fields (see PROTOCOL.md)."""
+    """A request's lifecycle event; `fields` carries the event's extra fields (see
+    docs/protocol.md)."""
 
     uid: int
     event: RequestEventKind

@@ -24,8 +24,8 @@ from instrumentation.trace import TraceWriter
 from instrumentation.watch.aggregate import AggregateStep
 
 Message = dict[str, Any]
-SEQ_TYPES = frozenset(("step", "token", "request", "config"))  # PROTOCOL.md v1.1 broadcasts
-HISTORY_STEPS = 2000  # PROTOCOL.md: hello carries at least the last 2,000 steps
+SEQ_TYPES = frozenset(("step", "token", "request", "config"))  # docs/protocol.md v1.1 broadcasts
+HISTORY_STEPS = 2000  # docs/protocol.md: hello carries at least the last 2,000 steps
 NO_COMMANDS = (
     "this is a watch of an external engine: it reads the engine's output and cannot submit, "
     "abort or change its configuration"
