@@ -6,10 +6,11 @@ A request keeps its colour in every chart and table; red means a stall everywher
 from __future__ import annotations
 
 STALL_RED = "#d62728"
-# No reds or pinks: red means a stall everywhere on the page.
+# No reds or pinks: red means a stall everywhere on the page. No greys either: grey means
+# waiting (WAIT_GREY) or wasted work (WASTED_GREY).
 PALETTE = (
     "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b",
-    "#bcbd22", "#393b79", "#637939", "#e7ba52", "#6b6ecf", "#7f7f7f",
+    "#bcbd22", "#393b79", "#637939", "#e7ba52", "#6b6ecf", "#1b9e77",
 )  # fmt: skip
 PHASE_COLORS = {"prefill": "#dce9f7", "decode": "#e2f2dc", "mixed": "#efe4f5"}
 KV_COLORS = {"used": "#4c78a8", "cached": "#9ecae9", "free": "#ececec"}

@@ -202,7 +202,11 @@
 
 
   // ---- level of detail, shared by the charts -------------------------------------------------
-  function color(style, uid) { return style.palette[uid % style.palette.length]; }
+  // as app.live.style.request_color: Python's modulo, never negative
+  function color(style, uid) {
+    const n = style.palette.length;
+    return style.palette[(((Math.trunc(uid) || 0) % n) + n) % n];
+  }
 
   // Level of detail for per-step lines and areas: at most one group per two pixels. Steps are
   // grouped by step number (k to a group, k = steps in view per 2 px), so a group keeps its
