@@ -33,7 +33,6 @@ APP = str(ROOT / "app" / "main.py")
 def _record(llm: object, policy: str, path: Path) -> EventStore:
     """Run a small workload under `policy`, writing its trace; returns a store fed live (each
     message as it is produced, as the page's connection feeds it)."""
-    from engine.bench import run_arrivals
     from engine.workload import Arrival
 
     llm.set_config(max_extend_tokens=16, policy=policy)  # type: ignore[attr-defined]
@@ -51,11 +50,29 @@ def _record(llm: object, policy: str, path: Path) -> EventStore:
 
     llm.add_event_hook(tee)  # type: ignore[attr-defined]
     try:
-        run_arrivals(llm, arrivals, prompts)  # type: ignore[arg-type]
+        _run_arrivals(llm, arrivals, prompts)
     finally:
         llm.remove_event_hook(tee)
         trace.close()
     return live
+
+
+def _run_arrivals(llm: object, arrivals: list, prompts: list[list[int]]) -> None:
+    """Submit each request when its time comes (open loop, as the sweep replays a workload) and
+    step until all have finished."""
+    from instrumentation.sampling import SamplingParams
+
+    start, i = time.perf_counter(), 0
+    while i < len(arrivals) or llm.has_work():  # type: ignore[attr-defined]
+        now = time.perf_counter() - start
+        while i < len(arrivals) and arrivals[i].t <= now:
+            params = SamplingParams(max_tokens=arrivals[i].output_len, ignore_eos=True)
+            llm.submit(prompts[i], params)  # type: ignore[attr-defined]
+            i += 1
+        if llm.has_work():  # type: ignore[attr-defined]
+            llm.step()  # type: ignore[attr-defined]
+        elif i < len(arrivals):
+            time.sleep(min(0.05, max(0.0, arrivals[i].t - now)))
 
 
 def _header(trace: RunTrace, path: Path) -> dict:

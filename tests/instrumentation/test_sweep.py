@@ -6,12 +6,13 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from engine import bench
 from engine.workload import (
     AZURE_CODE,
     AZURE_CONV,
@@ -88,11 +89,14 @@ def test_replay_keeps_the_trace_shape_and_rescales_its_clock() -> None:
 @pytest.fixture(scope="module")
 def sweep_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sweep")
-    bench.main(
-        ["--workload", "sweep", "--model", str(tiny_llama_dir), "--device", "cpu",
+    # the command the docs give (python -m bench.sweep), run as a user runs it: a test imports
+    # no tool
+    subprocess.run(
+        [sys.executable, "-m", "bench.sweep", "--model", str(tiny_llama_dir), "--device", "cpu",
          "--budgets", ",".join(map(str, BUDGETS)), "--policies", ",".join(POLICIES),
          "--out", str(out), "--rate", "20", "--duration", "0.4", "--length-scale", "0.05",
-         "--max-prompt", "96", "--max-output", "8", "--seed", "5", "--no-png"]
+         "--max-prompt", "96", "--max-output", "8", "--seed", "5", "--no-png"],
+        cwd=Path(__file__).resolve().parents[2], check=True,
     )  # fmt: skip
     return out
 

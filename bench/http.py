@@ -1,8 +1,8 @@
 """The HTTP path against the engine alone: decode tok/s and ITL at 1, 16, 64 and 256 streams.
 
-    python scripts/bench_http.py --model tiny --prompt-len 64 --output-len 64 --streams 1,16,64
-    # the H200 table of issue 27 (Qwen3-0.6B's shape, random weights):
-    python scripts/bench_http.py --model assets/qwen3-0.6b --load-format dummy --device cuda \
+    python -m bench.http --model tiny --prompt-len 64 --output-len 64 --streams 1,16,64
+    # on a GPU, Qwen3-0.6B's shape with random weights:
+    python -m bench.http --model assets/qwen3-0.6b --load-format dummy --device cuda \
         --policy mixed --budget 8192 --prompt-len 512 --output-len 256 --streams 1,16,64,256
 
 `--hot-path` times only the HTTP side's Python per token (router, streams, SSE bytes).
@@ -28,7 +28,6 @@ import asyncio
 import os
 import random
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,11 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import decode_period, model_path, table
+from bench.sse import completion_events
+from instrumentation.metrics import gaps, percentile
 
-from instrumentation.metrics import gaps, percentile  # noqa: E402
-from scripts.sse import completion_events  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -60,15 +59,6 @@ class Result:
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 1) for _ in range(length)] for _ in range(n)]
-
-
-def model_path(name: str, tmp: Path) -> str:
-    if name != "tiny":  # a directory as an absolute path: a --baseline-root server runs elsewhere
-        return str(Path(name).resolve()) if Path(name).is_dir() else name
-    from engine.checks.models import make_tiny
-    from engine.models.loader import resolve
-
-    return str(make_tiny("llama", tmp / "tiny", resolve("smollm2", progress=False).path))
 
 
 def engine_args(args: argparse.Namespace, model: str, running: int) -> dict[str, Any]:
@@ -100,16 +90,6 @@ def steady(runs: list[list[float]]) -> list[float]:
         return []
     start, end = max(t[0] for t in runs), min(t[-1] for t in runs)
     return [g for t in runs for g in gaps([x for x in t if start <= x <= end])]
-
-
-def decode_period(steps: list[Any], n: int) -> float:
-    """The median period between decode steps that held all `n` requests: the gap between
-    consecutive steps' completions (under overlap scheduling a record's t1 - t0 spans the next
-    step's launch too, about 2x the period). NaN if there were none."""
-    done = [s.t1 for s in steps]
-    full = [b - a for a, b, s in zip(done, done[1:], steps[1:], strict=False)
-            if s.phase == "decode" and len(s.items) == n]  # fmt: skip
-    return statistics.median(full) if full else float("nan")
 
 
 def engine_alone(args: argparse.Namespace, model: str, counts: list[int], vocab: int) -> dict:
@@ -249,10 +229,10 @@ def hot_path(streams: int = 64, tokens: int = 200) -> float:
     one step's token per stream at a time as the publisher would: no engine, no sockets."""
     from types import SimpleNamespace
 
-    from engine.server.openai_api import Choice, Generation, Router, Stream
-    from engine.server.openai_app import Endpoints
-    from engine.server.openai_response import ResponseHead
-    from engine.server.openai_schema import parse_request
+    from engine.server.openai.api import Choice, Generation, Router, Stream
+    from engine.server.openai.app import Endpoints
+    from engine.server.openai.response import ResponseHead
+    from engine.server.openai.schema import parse_request
 
     async def run() -> float:
         loop = asyncio.get_running_loop()
@@ -290,8 +270,12 @@ def hot_path(streams: int = 64, tokens: int = 200) -> float:
     return asyncio.run(run())
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.http",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--model", default="tiny", help="'tiny', 'smollm2', a directory or a hub id")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--device", default="cpu")
@@ -328,13 +312,11 @@ def main() -> int:
         action="store_true",
         help="only the HTTP side's CPU per token at 64 streams (no engine, no sockets)",
     )
-    args = p.parse_args()
-    if args.streams_per_client < 1:
-        p.error("--streams-per-client must be at least 1")
-    if args.hot_path:
-        runs = sorted(hot_path() for _ in range(5))
-        print(f"HTTP side, 64 streams: {runs[2] * 1e6:.1f} us CPU per token (median of 5)")
-        return 0
+    return p
+
+
+def run(args: argparse.Namespace) -> list[tuple[str, list[Result]]]:
+    """The engine alone, then the HTTP half through each server variant; prints the tables."""
     counts = [int(x) for x in args.streams.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model = model_path(args.model, Path(tmp))
@@ -355,31 +337,48 @@ def main() -> int:
         tables = []
         procs = max(1, -(-max(counts) // args.streams_per_client))
         clients = Clients(procs)
-        for label, root, flags in trees:
-            proc, url = start_server(args, model, max(counts), root, flags)
-            try:
-                http_run(url, 1, args, vocab, clients)  # warm-up
-                results = []
-                for n in counts:
-                    before, t0 = cpu_seconds(proc.pid), time.monotonic()
-                    tok_s, itl, steady_itl = http_run(url, n, args, vocab, clients)
-                    span, after = time.monotonic() - t0, cpu_seconds(proc.pid)
-                    step, eng, (eng_itl, eng_steady) = alone[n]
-                    r = Result(n, step, eng, tok_s, itl, eng_itl, steady_itl, eng_steady)
-                    r.cores = {k: (after[k] - before.get(k, 0.0)) / span for k in after}
-                    results.append(r)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
-            tables.append((label, results))
-        clients.close()
+        try:
+            for label, root, flags in trees:
+                tables.append((label, http_results(args, model, counts, vocab, alone, clients,
+                                                   root, flags)))  # fmt: skip
+        finally:
+            clients.close()
     print(f"model {args.model} on {args.device}, prompt {args.prompt_len}, output {args.output_len}"
           f", policy {args.policy}, budget {args.budget}; client: {procs} process(es), at most "
           f"{min(args.streams_per_client, max(counts))} streams each")  # fmt: skip
     for label, results in tables:
         print(f"\nHTTP through {label}:")
         print_table(results)
-    return 0
+    return tables
+
+
+def http_results(
+    args: argparse.Namespace,
+    model: str,
+    counts: list[int],
+    vocab: int,
+    alone: dict,
+    clients: Clients,
+    root: Path,
+    flags: tuple[str, ...],
+) -> list[Result]:
+    """Each stream count through one server, beside the engine-alone figures."""
+    proc, url = start_server(args, model, max(counts), root, flags)
+    try:
+        http_run(url, 1, args, vocab, clients)  # warm-up
+        results = []
+        for n in counts:
+            before, t0 = cpu_seconds(proc.pid), time.monotonic()
+            tok_s, itl, steady_itl = http_run(url, n, args, vocab, clients)
+            span, after = time.monotonic() - t0, cpu_seconds(proc.pid)
+            step, eng, (eng_itl, eng_steady) = alone[n]
+            r = Result(n, step, eng, tok_s, itl, eng_itl, steady_itl, eng_steady)
+            r.cores = {k: (after[k] - before.get(k, 0.0)) / span for k in after}
+            results.append(r)
+        return results
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def print_table(results: list[Result]) -> None:
@@ -387,23 +386,39 @@ def print_table(results: list[Result]) -> None:
     token gaps through `LLM` alone (prompt steps included), the fair yardstick for HTTP's p99;
     "steady" counts only the gaps while every stream decodes (no prompt joins): decode steps
     and their delivery, to set beside the step."""
-    print("| streams | engine step | engine tok/s | HTTP tok/s | HTTP/engine | ITL p50 | ITL p99 "
-          "| p99 / step | engine ITL p99 | HTTP p99 / engine p99 | steady ITL p99: HTTP / engine "
-          "| steady HTTP p99 / step |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for r in results:
-        p50, p99 = percentile(r.itl, 50) or 0.0, percentile(r.itl, 99) or 0.0
-        e99 = percentile(r.engine_itl, 99) or float("nan")
-        s99 = percentile(r.steady_itl, 99) or float("nan")
-        se99 = percentile(r.engine_steady_itl, 99) or float("nan")
-        print(f"| {r.streams} | {r.engine_step_s * 1e3:.2f} ms | {r.engine_tok_s:,.0f} | "
-              f"{r.http_tok_s:,.0f} | {r.http_tok_s / r.engine_tok_s:.2f} | {p50 * 1e3:.2f} ms | "
-              f"{p99 * 1e3:.2f} ms | {p99 / r.engine_step_s:.1f} | {e99 * 1e3:.2f} ms | "
-              f"{p99 / e99:.2f} | {s99 * 1e3:.2f} / {se99 * 1e3:.2f} ms | "
-              f"{s99 / r.engine_step_s:.1f} |", flush=True)  # fmt: skip
+    headers = ["streams", "engine step ms", "engine tok/s", "HTTP tok/s", "HTTP/engine",
+               "ITL p50 ms", "ITL p99 ms", "p99 / step", "engine ITL p99 ms",
+               "HTTP p99 / engine p99", "steady ITL p99 ms: HTTP / engine",
+               "steady HTTP p99 / step"]  # fmt: skip
+    print(table(headers, [result_row(r) for r in results]))
     for r in results:
         use = ", ".join(f"{k} {v:.2f}" for k, v in r.cores.items())
         print(f"cores busy at {r.streams} streams: {use}")
+
+
+def result_row(r: Result) -> list[object]:
+    p50, p99 = percentile(r.itl, 50) or 0.0, percentile(r.itl, 99) or 0.0
+    e99 = percentile(r.engine_itl, 99) or float("nan")
+    s99 = percentile(r.steady_itl, 99) or float("nan")
+    se99 = percentile(r.engine_steady_itl, 99) or float("nan")
+    return [r.streams, r.engine_step_s * 1e3, f"{r.engine_tok_s:,.0f}", f"{r.http_tok_s:,.0f}",
+            r.http_tok_s / r.engine_tok_s, p50 * 1e3, p99 * 1e3, f"{p99 / r.engine_step_s:.1f}",
+            e99 * 1e3, p99 / e99, f"{s99 * 1e3:.2f} / {se99 * 1e3:.2f}",
+            f"{s99 / r.engine_step_s:.1f}"]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.streams_per_client < 1:
+        p.error("--streams-per-client must be at least 1")
+    if args.hot_path:
+        runs = sorted(hot_path() for _ in range(5))
+        print(table(["HTTP side, 64 streams", "µs CPU per token (median of 5)"],
+                    [["router, streams, SSE bytes", runs[2] * 1e6]]))  # fmt: skip
+        return 0
+    run(args)
+    return 0
 
 
 if __name__ == "__main__":

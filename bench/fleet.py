@@ -1,7 +1,7 @@
 """Which gateway policy wins: one workload of chats on shared system prompts, sent through
 SGLang's Model Gateway in front of the same replicas under each routing policy in turn.
 
-    python scripts/bench_fleet.py --replicas 2 --policies round_robin,power_of_two,cache_aware \
+    python -m bench.fleet --replicas 2 --policies round_robin,power_of_two,cache_aware \
         -- --model smollm2 --threads 1
 
 Before each policy every replica's prefix cache is flushed (`/flush_cache`) and the gateway is
@@ -23,12 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from prometheus_client.parser import text_string_to_metric_families
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from engine.server.fleet import ROUTER_POLICIES, Fleet, free_port  # noqa: E402
-from instrumentation.metrics import percentile, request_metrics  # noqa: E402
+from engine.server.fleet import ROUTER_POLICIES, Fleet, free_port
+from instrumentation.metrics import percentile, request_metrics
 
 WORDS = ("river stone light quiet seven paper north glass bread field cloud iron salt "
          "window garden letter market bridge winter copper").split()  # fmt: skip
@@ -146,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, engine_args = argv[:i], argv[i + 1 :]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.fleet",
+        usage="python -m bench.fleet [options] -- ENGINE_ARGS...",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--policies", default="round_robin,power_of_two,cache_aware")
     ap.add_argument("--requests", type=int, default=40)

@@ -1,10 +1,10 @@
-"""bfloat16 against float32, with the usual bfloat16 residual stream and with a float32 one
-(`residual_dtype="float32"`). Runs anywhere; on CPU, bfloat16 matmuls accumulate in float32 as
-tensor cores do.
+"""How far is bfloat16 from float32? bfloat16 against float32, with the usual bfloat16 residual
+stream and with a float32 one (`residual_dtype="float32"`). Runs anywhere; on CPU, bfloat16
+matmuls accumulate in float32 as tensor cores do.
 
-    python scripts/precision.py logits --model smollm2
-    python scripts/precision.py logits --model assets/qwen3-0.6b --dummy   # Qwen3-0.6B shape
-    python scripts/precision.py chunked --model smollm2 [--alone]
+    python -m bench.precision logits --model smollm2
+    python -m bench.precision logits --model assets/qwen3-0.6b --dummy   # Qwen3-0.6B shape
+    python -m bench.precision chunked --model smollm2 [--alone]
 
 `logits`: per prompt, the relative error ||bf16 - fp32|| / ||fp32|| of the logits the first
 token is sampled from. `chunked`: 32 chat prompts (150 to 900 tokens), greedy, 32 tokens, run
@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.checks.greedy import compare_greedy, last_logits, rel_err, trace_run  # noqa: E402
+from bench.common import notes_prompts
+from engine import LLM, SamplingParams
+from engine.checks.greedy import compare_greedy, last_logits, rel_err, trace_run
 
 RESIDUALS = {"bf16 residual": None, "float32 residual": "float32"}
 
@@ -68,8 +66,6 @@ def logits(args: argparse.Namespace) -> None:
 
 
 def chunked(args: argparse.Namespace) -> None:
-    from scripts.gpu_check.common import notes_prompts
-
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     print(f"| residual | same tokens | near-tie | clear winner | ({args.model}, "
           f"{'one at a time' if args.alone else 'all at once'})")  # fmt: skip
@@ -90,7 +86,11 @@ def chunked(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.precision",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("what", choices=("logits", "chunked"))
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dummy", action="store_true", help="random weights from the config")

@@ -1,6 +1,6 @@
 """Serving benchmark with a standard load generator (guidellm) against `python -m engine.server`.
 
-    python scripts/bench_serving.py --model smollm2 --policy mixed --requests 200 --rate 1.5 \\
+    python -m bench.serving --model smollm2 --policy mixed --requests 200 --rate 1.5 \\
         --prompt-tokens 64 --output-tokens 16 --out out/serving-cpu-mixed
 
 It starts the server (WebSocket and HTTP API on free ports, `--trace` into OUT), sends one
@@ -17,14 +17,14 @@ this interpreter can import it (say, wheels installed with `pip install --target
 PYTHONPATH), that is used; otherwise a virtual environment --tool-env (.venv-bench) is made that
 sees this environment's packages (torch, transformers, numpy are not installed twice) and
 guidellm is installed there, from PyPI or, with --wheels DIR, from wheel files only (a machine
-without internet). `--download-wheels DIR` fetches, on a machine with internet, the wheels a
-Python 3.12 x86-64 CUDA machine with PyTorch (the lent H200s) lacks.
+without internet: `pip download guidellm==0.8.1 -d DIR` where there is one).
 
 On a CUDA machine, the Qwen3-0.6B shape with random weights:
 
-    python3 scripts/bench_serving.py --model assets/qwen3-0.6b --load-format dummy --device cuda \\
-        --tokenizer TOKENIZER_DIR --requests 400 --rate 20 --prompt-tokens 512 \\
-        --output-tokens 128 --out $OUT/serving-h200-mixed --policy mixed
+    python -m bench.serving --model assets/qwen3-0.6b --load-format dummy --device cuda \\
+        --requests 400 --rate 20 --prompt-tokens 512 --output-tokens 128 --policy mixed \\
+        --max-running-req 64 --max-extend-tokens 2048 --server-arg=--max-seq-len \\
+        --server-arg=2048 --out out/serving-gpu-mixed
 """
 
 from __future__ import annotations
@@ -45,32 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from instrumentation.fold import Fold
+from instrumentation.metrics import gaps, percentile  # torch-free
+from instrumentation.protocol import POLICY_NAMES
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from instrumentation.fold import Fold  # noqa: E402
-from instrumentation.metrics import gaps, percentile  # noqa: E402  (torch-free)
-from instrumentation.protocol import POLICY_NAMES  # noqa: E402
-
 GUIDELLM = "guidellm==0.8.1"
 QUANTILES = (50, 90, 99)
-# What the lent CUDA machines (Python 3.12, x86-64, the PyTorch image of KINDS.md) lack for
-# guidellm, found by resolving its requirements for that platform and removing what the image
-# has; starlette and uvicorn are the server's own (its HTTP API). websockets is left out: the
-# engine's wheels carry it already (sanic accepts any version from 10).
-DEVICE_WHEELS = (
-    GUIDELLM, "starlette==1.10.0", "uvicorn==0.54.0", "culsans==0.10.0", "datasets==5.2.0",
-    "ftfy==6.3.1", "more-itertools==11.2.1", "pydantic==2.14.4", "pydantic-core==2.50.5",
-    "pydantic-settings==2.16.3", "eval-type-backport==0.4.0", "faker==40.63.0", "loguru==0.7.3",
-    "sanic==25.12.1", "aiologic==0.17.1", "annotated-types==0.8.0", "dill==0.4.1", "h2==4.4.1",
-    "html5tagger==2.0.0", "httptools==0.9.0", "multiprocess==0.70.19", "python-dotenv==1.2.4",
-    "sanic-routing==23.12.0", "tracerite==2.6.5", "typing-inspection==0.4.5", "ujson==6.1.0",
-    "wcwidth==0.9.4", "hpack==4.2.0", "hyperframe==6.1.0", "sniffio==1.3.1",
-    # pinned by guidellm and pydantic at versions the image may predate; newer ones are safe
-    "click==8.4.2", "typing-extensions==4.16.0",
-)  # fmt: skip
-DEVICE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-                    "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
 
 
 # -- the load generator's environment ------------------------------------------------------------
@@ -83,7 +64,7 @@ def tool_command(args: argparse.Namespace) -> list[str]:
     env = Path(args.tool_env)
     py = env / "bin" / "python"
     if not py.exists() or not _works(str(py)):
-        print(f"bench_serving: installing {GUIDELLM} into {env} ...", file=sys.stderr, flush=True)
+        print(f"bench.serving: installing {GUIDELLM} into {env} ...", file=sys.stderr, flush=True)
         _run([sys.executable, "-m", "venv", str(env)])
         # this environment's packages are seen from the tool's (a .pth file), so torch,
         # transformers and numpy are not installed a second time
@@ -103,17 +84,6 @@ def _works(python: str) -> bool:
     """guidellm starts under `python` (its imports all resolve)."""
     cmd = [python, "-m", "guidellm", "--version"]
     return subprocess.run(cmd, capture_output=True).returncode == 0
-
-
-def download_wheels(dest: str) -> None:
-    """The wheels `--wheels` needs on a Python 3.12 x86-64 machine without internet."""
-    platforms = [a for p in DEVICE_PLATFORMS for a in ("--platform", p)]
-    for name in DEVICE_WHEELS:
-        _run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-              "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-              "--implementation", "cp", *platforms, "-d", dest, name])  # fmt: skip
-    size = sum(f.stat().st_size for f in Path(dest).glob("*.whl"))
-    print(f"{len(list(Path(dest).glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {dest}")
 
 
 def _run(cmd: list[str], check: bool = True) -> int:
@@ -347,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tool = tool_command(args)
     server = Server(args, out)
-    print(f"bench_serving: server at {server.ws_url} (the page can watch it) and "
+    print(f"bench.serving: server at {server.ws_url} (the page can watch it) and "
           f"{server.http_url}", flush=True)  # fmt: skip
     try:
         model = json.loads(server.get("/v1/models"))["data"][0]["id"]
@@ -372,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         wall = time.monotonic() - start
         after = scrape(server.get("/metrics").decode())
         if code != 0:
-            print(f"bench_serving: guidellm failed ({code}); see {out / 'guidellm.log'}")
+            print(f"bench.serving: guidellm failed ({code}); see {out / 'guidellm.log'}")
             return code
     finally:
         server.stop()
@@ -414,7 +384,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = p.add_argument
     add("--model", default="smollm2")
@@ -436,11 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--tool-env", default=str(ROOT / ".venv-bench"))
     add("--tool-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     add("--wheels", default=None, help="install guidellm from these wheel files only")
-    add("--download-wheels", metavar="DIR", help="fetch the wheels for a lent H200, then exit")
     args = p.parse_args(argv)
-    if args.download_wheels:
-        download_wheels(args.download_wheels)
-        return 0
     return run(args)
 
 

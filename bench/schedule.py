@@ -2,7 +2,7 @@
 cost against the size of the tree. No model: the real Scheduler, KVManager, PageTable and
 RadixCache, driven the way the engine drives them, with made-up tokens.
 
-    python scripts/bench_schedule.py [--running 32] [--waiting 10,1000] [--steps 200] [--rounds 15]
+    python -m bench.schedule [--running 32] [--waiting 10,1000] [--steps 200] [--rounds 15]
 
 `schedule` table: 32 requests decode (they never finish during the run) while N wait at the
 head of the queue for pages they cannot get, so every step tries to admit the head (a radix
@@ -22,18 +22,14 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from engine.kvcache.manager import KVManager  # noqa: E402
-from engine.kvcache.radix import RadixCache  # noqa: E402
-from engine.kvcache.table import PageTable  # noqa: E402
-from engine.request import RequestState  # noqa: E402
-from engine.scheduler.policy import POLICIES  # noqa: E402
-from engine.scheduler.scheduler import Scheduler  # noqa: E402
-from instrumentation.sampling import SamplingParams  # noqa: E402
+from engine.kvcache.manager import KVManager
+from engine.kvcache.radix import RadixCache
+from engine.kvcache.table import PageTable
+from engine.request import RequestState
+from engine.scheduler.policy import POLICIES
+from engine.scheduler.scheduler import Scheduler
+from instrumentation.sampling import SamplingParams
 
 PROMPT, MAX_TOKENS = 64, 4096
 
@@ -150,7 +146,11 @@ def bench_evict(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.schedule",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--running", type=int, default=32)
     p.add_argument("--waiting", default="10,1000", help="queue lengths; the first is the base")
     p.add_argument("--steps", type=int, default=200, help="steps per round")

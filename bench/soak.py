@@ -1,9 +1,9 @@
 """Soak: many requests over the WebSocket against a real `python -m engine.server`, checking that
 nothing grows or slows with time.
 
-    python scripts/soak.py [--requests 10000] [--model tiny] [--overlap]
+    python -m bench.soak [--requests 10000] [--model tiny] [--overlap]
 
-Random traffic (the mix of `scripts/bench_server.py soak`): prompts of random token ids (1 to
+Random traffic: prompts of random token ids (1 to
 half the context, most short) or text, some through the chat template; `max_tokens` 1 to 64;
 30% sampled; 4% that can never fit and 3% with an out-of-range field; one submit in 20 followed
 by a `set_config` (random budget and policy), one in eight by an abort (mostly of a request in
@@ -14,7 +14,8 @@ drained: the server's resident memory (VmRSS from /proc), the size of the `hello
 gets (what the server's history keeps), and the step time of a fixed probe (the same shape of
 work both times: 7 rounds of 24 fresh prompts of 64 tokens, 32 greedy tokens each, budget 256,
 mixed; the engine's own t1 - t0 per step, the median of each round, the best round compared).
-At the end, `stats`: integrity, no page held by a request, nothing reserved. Targets: RSS and step time within 10% of the baseline.
+At the end, `stats`: integrity, no page held by a request, nothing reserved. Targets: RSS and
+step time within 10% of the baseline.
 """
 
 from __future__ import annotations
@@ -33,22 +34,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.common import model_path, table
+from instrumentation.protocol import ENDED_STATES, POLICY_NAMES
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_server import random_submit  # noqa: E402  (the same random mix as its soak)
-
-from instrumentation.protocol import ENDED_STATES, POLICY_NAMES  # noqa: E402  (torch-free)
 
 
-def model_path(name: str, tmp: Path) -> str:
-    if name != "tiny":
-        return name
-    from engine.checks.models import make_tiny
-    from engine.models.loader import resolve
-
-    return str(make_tiny("llama", tmp, resolve("smollm2", progress=False).path))
+def random_submit(rng: random.Random, max_seq: int, vocab: int, cid: str) -> dict[str, Any]:
+    """One random `submit` of the soak's mix: 4% that can never fit, 3% with an out-of-range
+    field, 13% text (half through the chat template), the rest random token ids (1 to half the
+    context, most short); `max_tokens` 1 to 64; 30% sampled."""
+    roll = rng.random()
+    cmd: dict[str, Any] = {"type": "submit", "id": cid}
+    if roll < 0.04:  # can never fit
+        cmd["input_ids"] = [5] * (max_seq + rng.randrange(1, 100))
+    elif roll < 0.07:  # out of range
+        cmd |= {"prompt": "hi", rng.choice(["max_tokens", "top_p", "top_k"]): 0}
+    elif roll < 0.20:  # text, sometimes through the chat template
+        words = rng.choices(["the", "sea", "was", "calm", "and", "Paris", "is"], k=30)
+        cmd |= {"prompt": " ".join(words), "chat": rng.random() < 0.5}
+    else:
+        n = int(rng.triangular(1, max_seq // 2, 16))
+        cmd["input_ids"] = [rng.randrange(3, vocab) for _ in range(n)]
+    cmd["max_tokens"] = cmd.get("max_tokens", rng.randrange(1, 65))
+    if rng.random() < 0.3:
+        cmd |= {"temperature": rng.uniform(0.5, 1.5), "top_k": rng.choice([-1, 5, 50]),
+                "top_p": rng.uniform(0.5, 1.0), "seed": rng.randrange(2**31)}  # fmt: skip
+    return cmd
 
 
 def rss_kib(pid: int) -> int:
@@ -238,7 +250,11 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.soak",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--baseline", type=int, default=1_000, help="requests before the baseline")
     p.add_argument("--model", default="tiny", help="'tiny', 'smollm2' or a model directory")
@@ -248,11 +264,16 @@ def main() -> int:
     p.add_argument("--probe-rounds", type=int, default=7, help="probe repeats per checkpoint")
     p.add_argument("--every", type=int, default=1000, help="requests between light checkpoints")
     p.add_argument("--overlap", action="store_true", help="the server overlaps steps")
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     args = p.parse_args()
+    if not 0 < args.baseline < args.requests:
+        p.error("--baseline must be above 0 and below --requests")
+    if args.every < 1 or args.probe_rounds < 1 or args.window < 1:
+        p.error("--every, --probe-rounds and --window must be at least 1")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "engine.server", "--model", model_path(args.model, Path(tmp)),
                "--port", "0", "--http-port", "0", "--max-running-req", "16",
-               "--max-waiting", str(args.max_waiting), "--max-seq-len", "1024", "--threads", "1",
+               "--max-waiting", str(args.max_waiting), "--max-seq-len", "1024", "--threads", str(args.threads),
                "--overlap" if args.overlap else "--no-overlap"]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
         try:
@@ -295,9 +316,7 @@ def main() -> int:
         ("engine errors", end["engine_errors"]),
         ("server exit status", code),
     ]  # fmt: skip
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
+    print(table(["figure", "value"], rows))
     accepted = c["s accepted"] + c["p accepted"]
     ok = {
         "integrity": base["integrity"] == end["integrity"] == "ok",
