@@ -45,6 +45,21 @@ def budget_options(current: int | None = None) -> list[int]:
     return sorted(stops)
 
 
+def parse_budget(text: str) -> int:
+    """The exact-budget box's text as a budget: a whole number ≥ 1, else a ValueError that says
+    what was typed (an empty box or letters are refused, never read as 1)."""
+    try:
+        value = int(text.strip().replace(",", "").replace("_", ""))
+    except ValueError:
+        raise ValueError(
+            f"max_extend_tokens must be a whole number ≥ 1, not {text.strip()!r}: "
+            "the budget is unchanged."
+        ) from None
+    if value < 1:
+        raise ValueError(f"max_extend_tokens must be ≥ 1, not {value}: the budget is unchanged.")
+    return value
+
+
 def set_config(
     max_extend_tokens: int | None = None, policy: str | None = None, admission: str | None = None
 ) -> Command:

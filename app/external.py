@@ -28,24 +28,18 @@ class ExternalMode:
     openai_url: str | None = None
     source: str | None = None
     model: str | None = None  # sent as the OpenAI request's `model` when the engine named it
-    replaying: str | None = None  # a recording's name: the page shows it, no engine is there
 
     @property
     def commands(self) -> bool:
         """Whether stepscope commands (submit, config, abort) reach the engine."""
-        return not self.external and self.replaying is None
+        return not self.external
 
     @property
     def can_submit(self) -> bool:
-        return self.replaying is None and (not self.external or self.openai_url is not None)
+        return not self.external or self.openai_url is not None
 
     def disabled_note(self) -> str:
         """The sentence shown beside the disabled controls."""
-        if self.replaying is not None:
-            return (
-                f"Unavailable (replaying {self.replaying}): a recording is shown, "
-                "the engine cannot be commanded."
-            )
         what = f"watching {self.source}" if self.source else "watching an external engine"
         return f"Unavailable ({what}): {self.reason}."
 

@@ -35,6 +35,10 @@ def local_port(url: str) -> int | None:
 
 
 def engine_argv(port: int, model: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The command that starts an engine for the page. Its OpenAI API listens on a free port
+    unless the user's arguments name one: a fixed default (8000, vLLM's too) is often taken by
+    another server or a second page, and the page itself needs no HTTP port."""
+    http = () if any(a.split("=")[0] == "--http-port" for a in extra) else ("--http-port", "0")
     return [
         sys.executable,
         "-m",
@@ -45,8 +49,27 @@ def engine_argv(port: int, model: str, extra: tuple[str, ...] = ()) -> list[str]
         model,
         "--device",
         "auto",  # CUDA when there is a GPU: the engine picks where it is fastest
+        *http,
         *extra,
     ]
+
+
+_TAKEN = re.compile(r"cannot listen on (?P<where>\S+?):(?P<port>\d+)")
+
+
+def port_taken(lines: list[str]) -> str | None:
+    """What to do when the engine died because a port it was told to use is taken (from its
+    last output), or None when that is not why it died."""
+    for line in reversed(lines):
+        if (m := _TAKEN.search(line)) is not None:
+            where, port = m.group("where"), m.group("port")
+            return (
+                f"Port {port} on {where} is taken by another program (another engine, vLLM, "
+                "or a second page). Stop that program, or pick another port: "
+                "`STEPSCOPE_ENGINE_ARGS='--http-port 0'` lets the OpenAI API take any free "
+                "port, and `STEPSCOPE_URL=ws://127.0.0.1:PORT` moves the engine's WebSocket."
+            )
+    return None
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from app.workloads import PresetRun
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
 LATENCY_STEPS = 2_000  # the requests table and the ranks read at most this many steps
 PAGE_MAP_WAIT_S = 0.5
+OUTPUT_HEIGHT_PX = 420
 
 TIMELINE_CAPTION = (
     "Each bar is one engine step, stacked by request (a request keeps its colour in every "
@@ -217,7 +218,7 @@ def run_line(run: PresetRun) -> None:
 # ---- live charts ------------------------------------------------------------------------------
 
 
-def _captions(policy: str | None) -> dict[str, str]:
+def captions(policy: str | None) -> dict[str, str]:
     return {
         "timeline": TIMELINE_CAPTION + " " + POLICY_CAPTIONS.get(policy or "", ""),
         "kv": KV_CAPTION,
@@ -229,7 +230,7 @@ def _captions(policy: str | None) -> dict[str, str]:
 def live_charts(link: EngineLink, hidden: bool = False) -> None:
     window = session.window_steps() or session.ALL_STEPS
     opts = ViewOptions(window=window, xmode=session.XMODE.get(), paused=not session.is_live())
-    _live_charts(link.store, "charts", opts, _captions, hidden=hidden)
+    _live_charts(link.store, "charts", opts, captions, hidden=hidden)
 
 
 # ---- KV page map ------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ def page_map_view(link: EngineLink) -> None:
 
 
 def outputs_view(requests: Sequence[Message], limit: int = 8) -> None:
-    """The newest requests' output text as it streams, in each request's colour."""
+    """The newest requests' whole output text as it streams, in each request's colour."""
     live = [r for r in requests if r.get("state") in ("waiting", "running")]
     ended = [r for r in requests if r.get("state") not in ("waiting", "running")]
     shown = (live + ended[::-1])[:limit]
@@ -265,18 +266,17 @@ def outputs_view(requests: Sequence[Message], limit: int = 8) -> None:
     rows = []
     for r in shown:
         color = request_color(int(r["uid"]))
-        # One line per request: the newest words matter, and newlines would spread the list.
-        raw = " ".join((r.get("text") or "").split())
-        text = html.escape(raw if len(raw) <= 240 else "…" + raw[-240:])
+        text = html.escape(r.get("text") or "")
         if not text:
             text = "<i style='color:#888'>(no output yet)</i>"
         rows.append(
-            f"<div style='margin:2px 0'><span style='color:{color};font-weight:600'>"
-            f"■ req {r['uid']}</span> <span style='color:#888'>{r.get('state')}</span> · {text}"
-            "</div>"
+            f"<div style='margin:4px 0;white-space:pre-wrap'><span style='color:{color};"
+            f"font-weight:600'>■ req {r['uid']}</span> <span style='color:#888'>"
+            f"{r.get('state')}</span> · {text}</div>"
         )
     st.markdown("**Output as it streams**")
-    st.markdown("\n".join(rows), unsafe_allow_html=True)
+    with st.container(height=OUTPUT_HEIGHT_PX):  # whole answers: long ones scroll here
+        st.markdown("\n".join(rows), unsafe_allow_html=True)
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -359,7 +359,13 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
                 "text": r.get("text") or r.get("message") or "",
             }
         )
-    st.dataframe(pd.DataFrame(rows), hide_index=True, height=min(600, 40 + 35 * len(rows)))
+    st.dataframe(
+        pd.DataFrame(rows),
+        hide_index=True,
+        height=min(600, 40 + 35 * len(rows)),
+        column_config={"text": st.column_config.TextColumn("text", width="large",
+                       help="The whole output: double-click a cell to read all of it.")},
+    )  # fmt: skip
 
 
 # ---- external engines and tensor-parallel ranks -----------------------------------------------
@@ -434,7 +440,7 @@ def compare_charts(a: compare.Side, b: compare.Side, xmode: str) -> None:
             axes=axes,
             link="compare",
             xmode=xmode,
-            captions=_captions(side.policy),
+            captions=captions(side.policy),
         )
 
 

@@ -12,7 +12,7 @@ engine facts come from a per-tab cursor, so a long history is not copied several
 
 from __future__ import annotations
 
-import time
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +32,6 @@ WINDOWS: tuple[int | str, ...] = (100, 250, 500, 1000, 2000, 5000, "all")
 DEFAULT_WINDOW = 500
 DEFAULT_BUDGET = 256
 ALL_STEPS = 20_000  # "all": what the store keeps
-METRIC_STEPS = 200  # the metric row summarizes the newest steps (bounded: it runs every second)
 MAX_NOTICES = 6
 MAX_RUNS = 4
 SPEEDS = (1, 2, 5, 10, 20, 50)  # replay speeds (app.replay's MIN_SPEED..MAX_SPEED)
@@ -85,10 +84,6 @@ URL = Field[str]("url", "")  # widget: the engine URL every tab follows
 PAGE_MODE = Field["ExternalMode | None"]("page_mode")  # what the last full run drew for
 MODE_CURSOR = Field["int | None"]("mode_cursor")
 FACTS_CURSOR = Field["int | None"]("facts_cursor")
-CONTROLS_WAITING = Field[bool]("controls_waiting", False)  # drawn without the engine's config
-FULL_RUN = Field[bool]("full_run", False)  # a full page run is under way (not a fragment's)
-FULL_RUN_END = Field[float]("full_run_end", 0.0)  # when the last full run ended (monotonic s)
-TICKS_SINCE_FULL_RUN = Field[int]("ticks_since_full_run", 0)  # fragment checks since then
 # the prompt form's widgets
 PROMPT_TEXT = Field[str]("prompt_text", "")
 MAX_TOKENS = Field[int]("max_tokens", 64)
@@ -98,10 +93,22 @@ CHAT = Field[bool]("chat", True)
 IGNORE_EOS = Field[bool]("ignore_eos", False)
 # scheduling: the widgets, the config they were synced to, and what this tab set
 BUDGET_SLIDER = Field[int]("budget_slider", DEFAULT_BUDGET)
-BUDGET_EXACT = Field[int]("budget_exact", DEFAULT_BUDGET)
+BUDGET_EXACT = Field[str]("budget_exact", str(DEFAULT_BUDGET))  # a text box: refused, not clamped
 POLICY = Field[str]("policy", controls.POLICIES[0])
 ADMISSION = Field[str]("admission", controls.ADMISSIONS[0])
-SYNCED_CONFIG = Field["dict[str, Any] | None"]("synced_config")
+# notices and runs
+NOTICES = Field["list[Notice]"]("notices", factory=list)
+UNSHOWN_TOASTS = Field["list[tuple[bool, str]]"]("unshown_toasts", factory=list)
+PRESET_RUNS = Field["list[PresetRun]"]("preset_runs", factory=list)
+OPENAI_SUBMITS = Field["list[OpenAISubmit]"]("openai_submits", factory=list)
+CLEAR = Field[bool]("clear_history", False)  # the button
+# Streamlit's rerun workarounds: app/rerun.py says why each exists
+CONTROLS_WAITING = Field[bool]("controls_waiting", False)  # drawn without the engine's config
+FULL_RUN = Field[bool]("full_run", False)  # a full page run is under way (not a fragment's)
+FULL_RUN_END = Field[float]("full_run_end", 0.0)  # when the last full run ended (monotonic s)
+TICKS_SINCE_FULL_RUN = Field[int]("ticks_since_full_run", 0)  # fragment checks since then
+NOTICE_UNSHOWN = Field[bool]("notice_unshown", False)  # a fragment left a notice
+SYNCED_CONFIG = Field["dict[str, Any] | None"]("synced_config")  # what the controls show
 OWN_CONFIGS = Field["list[tuple[dict[str, Any], float]]"]("own_configs", factory=list)
 # a control's value from before a sync, and when it was replaced: (value, monotonic time)
 STALE = {
@@ -109,13 +116,6 @@ STALE = {
     "policy": Field["tuple[Any, float] | None"]("stale_policy"),
     "admission": Field["tuple[Any, float] | None"]("stale_admission"),
 }
-# notices and runs
-NOTICES = Field["list[Notice]"]("notices", factory=list)
-NOTICE_UNSHOWN = Field[bool]("notice_unshown", False)
-UNSHOWN_TOASTS = Field["list[tuple[bool, str]]"]("unshown_toasts", factory=list)
-PRESET_RUNS = Field["list[PresetRun]"]("preset_runs", factory=list)
-OPENAI_SUBMITS = Field["list[OpenAISubmit]"]("openai_submits", factory=list)
-CLEAR = Field[bool]("clear_history", False)  # the button
 # the view
 LIVE = Field[bool]("live", True)  # widget
 WINDOW = Field["int | str"]("window", DEFAULT_WINDOW)  # widget
@@ -159,11 +159,13 @@ def component_value(key: str) -> Any:
     return st.session_state.get(key)
 
 
-def reset_views() -> None:
-    """Forget what the tab drew of the previous source, and show the new one live."""
+def reset_views(keep_live: bool = False) -> None:
+    """Forget what the tab drew of the previous source (the charts start afresh, their zoom
+    too), and show the new one live unless `keep_live`."""
     for field in VIEW_FIELDS:
         field.pop()
-    LIVE.set(True)
+    if not keep_live:
+        LIVE.set(True)
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ def hold(run: PresetRun, text: str) -> None:
     notify(True, text, held=run)
 
 
-def _settled(notice: Notice) -> Notice | None:
+def settled(notice: Notice) -> Notice | None:
     """What a held notice becomes once its run reached the engine (None: still held)."""
     run = notice.held
     if run is None:
@@ -217,43 +219,12 @@ def _settled(notice: Notice) -> Notice | None:
     return None
 
 
-def held_outdated() -> bool:
-    """A held notice on the page whose run has since reached the engine."""
-    return any(_settled(n) is not None for n in notices())
-
-
 def settle_held() -> None:
     """At the start of a full page run: replace held notices whose runs reached the engine."""
     items = notices()
     for k, notice in enumerate(items):
-        if (settled := _settled(notice)) is not None:
-            items[k] = settled
-
-
-def awaiting_engine() -> bool:
-    """This run drew the page before the engine was ready for it: the scheduling controls are
-    missing, or a notice says a prompt or workload is held."""
-    return CONTROLS_WAITING.get() or any(n.held is not None for n in notices())
-
-
-def controls_waiting(waiting: bool) -> None:
-    """The full page drew the sidebar without the scheduling controls (no engine config yet)."""
-    CONTROLS_WAITING.set(waiting)
-
-
-def controls_outdated(link: EngineLink) -> bool:
-    """The page was drawn before the engine's config arrived, and it has arrived since: the
-    controls the full page draws are missing until it runs again."""
-    return CONTROLS_WAITING.get() and engine_facts(link)[1] is not None
-
-
-def show_notices_now() -> None:
-    """In a fragment: if a control left a notice, rerun the page so the notice shows. The flag
-    stays until a full run draws the status line (`notices_line` clears it): a rerun asked for
-    here can be lost (Streamlit keeps only the newest of the requests that race it, and the
-    live charts ask several times a second), and the next run of this fragment asks again."""
-    if NOTICE_UNSHOWN.get():
-        st.rerun()
+        if (done := settled(notice)) is not None:
+            items[k] = done
 
 
 def send(link: EngineLink, command: Message, what: str, toast: bool = False) -> Message | None:
@@ -323,7 +294,7 @@ class TabBook:
     (without metrics or text), kept up to date from the store's deltas, so a refresh costs what
     arrived since the last one, not the history."""
 
-    def __init__(self, max_steps: int = METRIC_STEPS, max_requests: int = 2_000) -> None:
+    def __init__(self, max_steps: int = ALL_STEPS, max_requests: int = 2_000) -> None:
         self.cursor: int | None = None
         self.steps: deque[Message] = deque(maxlen=max_steps)
         self.requests: dict[int, Message] = {}
@@ -350,9 +321,10 @@ class TabBook:
         self.lost, self.resyncs, self.version = delta.lost, delta.resyncs, delta.cursor
         return self
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, last_steps: int | None = None) -> Snapshot:
+        n = len(self.steps) if last_steps is None else min(last_steps, len(self.steps))
         return Snapshot(
-            list(self.steps),
+            list(itertools.islice(self.steps, len(self.steps) - n, None)),
             sorted(self.requests.values(), key=lambda r: int(r["uid"])),
             self.engine,
             self.config,
@@ -369,10 +341,12 @@ def book(link: EngineLink) -> TabBook:
 
 
 def metrics_snapshot(link: EngineLink) -> Snapshot:
+    """What the headline summarizes: the steps in view (the charts' window), as they are drawn
+    (frozen while paused)."""
     frozen = FROZEN.get()
     if not is_live() and frozen is not None:
-        return view_snapshot(link, cap=METRIC_STEPS)
-    return book(link).snapshot()
+        return view_snapshot(link)
+    return book(link).snapshot(last_steps=window_steps())
 
 
 def requests_snapshot(link: EngineLink) -> list[Message]:
@@ -404,44 +378,3 @@ def freeze(link: EngineLink) -> None:
         FROZEN.set(None)
     else:
         FROZEN.set(link.store.snapshot())
-
-
-# ---- full runs asked for by fragments ------------------------------------------------------------
-SETTLE_S = 1.0  # after a full run, before a fragment may ask for the next one
-HELLO_WAIT_S = 2.0  # a full run waits this long at most for a connecting engine's config
-
-
-def may_ask_full_run() -> bool:
-    """Whether a fragment may ask for a whole-app run now. Never during a full run (it draws the
-    page anyway, and a rerun would drop what started it, a form's Submit); nor while the browser
-    may still be mounting what the last full run drew: a rerun of the whole app asked for then
-    went out with the new widgets at their first values (seen: Live off and 100 steps in view,
-    so the charts froze after their first update; on the fleet page, a third chart for two
-    replicas). Nor from the first timed fragment run after it: that run is the browser's first
-    word since it drew the page."""
-    if FULL_RUN.get():
-        return False
-    ticks = TICKS_SINCE_FULL_RUN.get() + 1
-    TICKS_SINCE_FULL_RUN.set(ticks)
-    return ticks >= 2 and time.monotonic() - FULL_RUN_END.get() >= SETTLE_S
-
-
-def await_hello(links: list[EngineLink]) -> None:
-    """An engine that is up answers within a moment: wait for its config (briefly) so this full
-    run draws the controls, rather than asking for another whole run once it arrives (a
-    whole-app rerun asked by a fragment while the live charts pull is what froze them).
-    Waits for the hello, not the config itself: a watch's hello has an empty config, and
-    waiting on it held every full run of a watched engine's page for HELLO_WAIT_S."""
-    deadline = time.monotonic() + HELLO_WAIT_S
-    pending = list(links)
-    while pending and time.monotonic() < deadline:
-        pending = [link for link in pending if not _answered(link)]
-        if pending:
-            time.sleep(0.02)
-
-
-def _answered(link: EngineLink) -> bool:
-    snap = link.store.snapshot(last_steps=0)
-    if snap.config is not None or snap.engine is not None:
-        return True  # the hello is in: the engine's config (or that it has none)
-    return link.status().state not in ("connecting", "connected")  # nothing answers (yet)

@@ -91,13 +91,50 @@ class LiveFeed:
     def payload(self, store: DeltaSource, have: int | None, opts: ViewOptions) -> dict[str, Any]:
         """The data for the component: a batch after `have`, a reset, or nothing new."""
         entry = self._ring.get(have) if have is not None else None
-        if opts.paused and entry is not None:
-            return {"id": have, "base": have, "paused": True, "window": opts.window}
-        # A wider window needs steps the browser dropped: start again.
-        if entry is None or entry[2] < opts.window:
-            return self._batch(store, None, StepEncoder(), have, opts)
+        self._narrow(opts.window)
+        if opts.paused:
+            return self._paused(store, have, entry, opts)
+        # A view we do not know (a new tab, a remount, another source) starts a new history:
+        # a zoom it kept belongs to what it drew before.
+        if entry is None:
+            return self._batch(store, None, StepEncoder(), have, opts, new_history=True)
+        # A wider window needs steps the browser dropped: start again (the same history).
+        if entry[2] < opts.window:
+            return self._batch(store, None, StepEncoder(), have, opts, new_history=False)
         cursor, encoder, _ = entry
         return self._batch(store, cursor, encoder.copy(), have, opts)
+
+    def _narrow(self, window: int) -> None:
+        """The browser drops what is past a narrower window as soon as it is told: no batch it
+        holds covers more (a wider window later needs a reset, whichever batch it asks from)."""
+        for bid, (cursor, encoder, held) in self._ring.items():
+            if held > window:
+                self._ring[bid] = (cursor, encoder, window)
+
+    def _paused(
+        self, store: DeltaSource, have: int | None, entry: tuple | None, opts: ViewOptions
+    ) -> dict[str, Any]:
+        """A paused view keeps what it drew; one that holds nothing we know (mounted afresh
+        while paused: the pause banner moves the charts down the page) or needs more (a wider
+        window) gets the frozen view: the steps this feed had sent when the charts froze."""
+        replaced = entry is None or _replaced(store, entry[0])
+        if not replaced and entry is not None and entry[2] >= opts.window:
+            return {"id": have, "base": have, "paused": True, "window": opts.window,
+                    "xmode": opts.xmode}  # fmt: skip
+        frozen = self._frozen_at(store)
+        return self._batch(
+            store, None, StepEncoder(), have, opts, new_history=replaced, through=frozen
+        )
+
+    def _frozen_at(self, store: DeltaSource) -> tuple[int, int, float] | None:
+        """(cursor, last step, its end) of the newest batch sent, while the store's history is
+        still the one it came from; None: there is no frozen view (show what the store has)."""
+        if not self._ring:
+            return None
+        cursor, encoder, _ = next(reversed(self._ring.values()))
+        if encoder.last_step is None or _replaced(store, cursor):
+            return None
+        return cursor, encoder.last_step, encoder.last_t1
 
     def _batch(
         self,
@@ -106,21 +143,34 @@ class LiveFeed:
         encoder: StepEncoder,
         have: int | None,
         opts: ViewOptions,
+        new_history: bool | None = None,
+        through: tuple[int, int, float] | None = None,
     ) -> dict[str, Any]:
+        """`new_history`: the browser must forget its zoom too (None: when the store's history
+        was replaced since `cursor`). `through`: only the steps up to a frozen view's last
+        one, and the batch continues from that view's cursor."""
         delta = store.delta(cursor, metrics=False)  # the charts need no per-request metrics
+        if new_history is None:
+            new_history = cursor is not None and delta.reset
         reset = cursor is None or delta.reset or len(delta.steps) >= opts.window
         if reset and cursor is not None:
             encoder = StepEncoder()
-        steps = delta.steps[-opts.window :] if reset else delta.steps
-        if not reset and not steps and not delta.requests and have is not None:
+        all_steps, requests, next_cursor = delta.steps, delta.requests, delta.cursor
+        if through is not None:
+            next_cursor, last, t_last = through
+            all_steps = [s for s in all_steps if int(s["step"]) <= last]
+            # a request queued after the freeze is not in the frozen view
+            requests = [r for r in requests if (r.get("t_queued") or 0.0) <= t_last]
+        steps = all_steps[-opts.window :] if reset else all_steps
+        if not reset and not steps and not requests and have is not None:
             # Nothing new: the same id, so the browser keeps what it has and asks again later.
-            self._ring[have] = (delta.cursor, encoder, opts.window)
+            self._ring[have] = (next_cursor, encoder, opts.window)
             return {"id": have, "base": have, "window": opts.window, "xmode": opts.xmode}
-        ended = ended_times(delta.requests)
+        ended = ended_times(requests)
         body = encoder.encode(steps, ended)  # its `items` stay here: the browser unpacks `packed`
         batch_id = self._next_id
         self._next_id += 1
-        self._ring[batch_id] = (delta.cursor, encoder, opts.window)
+        self._ring[batch_id] = (next_cursor, encoder, opts.window)
         while len(self._ring) > RING:
             self._ring.popitem(last=False)
         self.updates += 1
@@ -137,9 +187,11 @@ class LiveFeed:
         # what the browser keeps between batches is sent when it changed, not every time
         if reset:
             out["reset"] = True
+        if reset and new_history:
+            out["new_history"] = True  # cleared, a new engine, another source: drop the zoom
         if opts.paused:
             out["paused"] = True  # a page opened while paused draws, but does not pull
-        if rows := encoder.request_rows(delta.requests, MAX_REQUESTS):
+        if rows := encoder.request_rows(requests, MAX_REQUESTS):
             out["requests"] = rows
         if body["stalls"]:
             out["stalls"] = body["stalls"]
@@ -149,3 +201,8 @@ class LiveFeed:
         if reset or facts != encoder.engine_sent:
             out["engine"] = encoder.engine_sent = facts
         return out
+
+
+def _replaced(store: DeltaSource, cursor: int) -> bool:
+    """Whether the store's history was replaced (cleared, a new engine) since `cursor`."""
+    return store.delta(cursor, metrics=False).reset

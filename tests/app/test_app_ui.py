@@ -63,7 +63,7 @@ def app(peer: AppPeer, monkeypatch: pytest.MonkeyPatch) -> Iterator[AppTest]:
     def ready() -> bool:
         # connected, and the engine's config arrived: the scheduling controls appear only then
         # (a loaded machine can draw the page between the two)
-        return connected(at) and any(w.key == "budget_exact" for w in at.number_input)
+        return connected(at) and any(w.key == "budget_exact" for w in at.text_input)
 
     assert settle(at, ready), texts(at.sidebar.markdown)
     yield at
@@ -85,15 +85,30 @@ def test_budget_slider_sends_set_config_and_shows_the_reply(app: AppTest, peer: 
     assert [c.get("max_extend_tokens") for c in sent] == [128]
     assert isinstance(sent[0]["id"], str) and "policy" not in sent[0]
     assert any("max_extend_tokens=128" in t for t in texts(app.success))
-    assert app.number_input(key="budget_exact").value == 128
+    assert app.text_input(key="budget_exact").value == "128"
 
 
 def test_exact_budget_sends_any_value_and_moves_the_slider(app: AppTest, peer: AppPeer) -> None:
-    app.number_input(key="budget_exact").set_value(100).run()
+    app.text_input(key="budget_exact").set_value("100").run()
     assert peer.received("set_config")[-1]["max_extend_tokens"] == 100
     assert app.select_slider(key="budget_slider").value == 100
-    app.number_input(key="budget_exact").set_value(1).run()
+    app.text_input(key="budget_exact").set_value("1").run()
     assert peer.received("set_config")[-1]["max_extend_tokens"] == 1
+
+
+@pytest.mark.parametrize("typed", ["", "abc", "0", "-5", "2.5"])
+def test_exact_budget_refuses_what_is_not_a_budget(
+    app: AppTest, peer: AppPeer, typed: str
+) -> None:
+    """An emptied box or letters are refused with a message, never read as 1; the box shows
+    the budget in force again."""
+    app.text_input(key="budget_exact").set_value("64").run()
+    sent = len(peer.received("set_config"))
+    app.text_input(key="budget_exact").set_value(typed).run()
+    assert len(peer.received("set_config")) == sent  # nothing went out
+    assert peer.sim.config["max_extend_tokens"] == 64
+    assert any("max_extend_tokens must be" in t for t in texts(app.error))
+    assert app.text_input(key="budget_exact").value == "64"
 
 
 def test_policy_switch_sends_set_config(app: AppTest, peer: AppPeer) -> None:
@@ -109,23 +124,23 @@ def test_policy_switch_sends_set_config(app: AppTest, peer: AppPeer) -> None:
 def test_controls_follow_a_config_changed_elsewhere(app: AppTest, peer: AppPeer) -> None:
     with peer._lock:
         peer._command({"type": "set_config", "id": "other-tab", "max_extend_tokens": 32})
-    assert settle(app, lambda: app.number_input(key="budget_exact").value == 32)
+    assert settle(app, lambda: app.text_input(key="budget_exact").value == "32")
     assert app.select_slider(key="budget_slider").value == 32
 
 
 def test_a_stale_value_coming_back_from_the_browser_does_not_undo_a_sync(
     app: AppTest, peer: AppPeer
 ) -> None:
-    before = app.number_input(key="budget_exact").value
+    before = app.text_input(key="budget_exact").value
     with peer._lock:
         peer._command({"type": "set_config", "id": "preset", "max_extend_tokens": 16})
-    assert settle(app, lambda: app.number_input(key="budget_exact").value == 16)
+    assert settle(app, lambda: app.text_input(key="budget_exact").value == "16")
     # a rerun the browser started before the sync reached it still carries the old value
-    app.number_input(key="budget_exact").set_value(before).run()
+    app.text_input(key="budget_exact").set_value(before).run()
     assert peer.received("set_config") == [] or all(
         c.get("id") == "preset" for c in peer.received("set_config")
     )
-    assert app.number_input(key="budget_exact").value == 16
+    assert app.text_input(key="budget_exact").value == "16"
     assert peer.sim.config["max_extend_tokens"] == 16
 
 
@@ -156,6 +171,29 @@ def test_empty_prompt_is_refused_in_the_page(app: AppTest, peer: AppPeer) -> Non
     app.button(key="FormSubmitter:prompt-Submit").click().run()
     assert peer.received("submit") == []
     assert any("prompt is empty" in t for t in texts(app.error))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_tokens", 0, "max_tokens must be"),
+        ("temperature", -1.0, "temperature must be"),
+        ("copies", 65, "copies must be between"),
+    ],
+)
+def test_an_invalid_form_field_is_refused_with_a_message(
+    app: AppTest, peer: AppPeer, field: str, value: float, message: str
+) -> None:
+    """A bad value reaches the page's own check (no browser-side limit silently blocks
+    Submit), and the refusal replaces the last notice instead of leaving it on screen."""
+    app.text_area(key="prompt_text").input("Hi")
+    app.button(key="FormSubmitter:prompt-Submit").click().run()
+    assert "submitted: request 0" in texts(app.success)
+    app.number_input(key=field).set_value(value)
+    app.button(key="FormSubmitter:prompt-Submit").click().run()
+    assert len(peer.received("submit")) == 1
+    assert any(message in t for t in texts(app.error)), texts(app.error)
+    assert not texts(app.success)
 
 
 def test_engine_error_replies_are_shown(app: AppTest, peer: AppPeer) -> None:

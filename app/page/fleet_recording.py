@@ -3,7 +3,7 @@
 Open one with `streamlit run app/main.py -- --fleet-trace DIR`, STEPSCOPE_FLEET_TRACE=DIR, or the
 sidebar's "Fleet recording" (DIR: `python -m engine.server.fleet --trace-dir DIR`, one
 replica-<i>.jsonl per replica). Each replica's trace is replayed through its own
-app/replay.py `ReplaySource` and drawn through a `ReplayLink` with app/fleet_ui.py's views, every
+app/replay.py `ReplaySource` and drawn through a `ReplayLink` with app/page/fleet.py's views, every
 replica on the fleet's one clock (`clock_epoch`). One scrubber (a time on that clock) and one
 player move every replica together; the summary table covers each replica's whole recording;
 the controls and the prompt form are shown disabled, with the reason. "Compare with" a second
@@ -27,11 +27,12 @@ from typing import Any
 
 import streamlit as st
 
-from app import compare, fleet_ui
+from app import compare
 from app.fleet_replay import FLEET, FleetRecording, FleetReplay, compare_rows, trace_dir_from
 from app.live.component import recording_charts
 from app.live.feed import Recorded
-from app.panels import _captions
+from app.page import fleet as fleet_ui
+from app.panels import captions
 from app.replay import MAX_SPEED, MIN_SPEED
 
 SPEEDS = (1, 2, 5, 10, 20, 50)
@@ -96,7 +97,7 @@ def _shifted(folder: str) -> list[fleet_ui.ClockShift]:
     return out
 
 
-def open_fleet_recording() -> Opened:
+def sidebar() -> Opened:
     """The sidebar's "Fleet recording": which fleet recording (if any) the page replays."""
     given = trace_dir_from(sys.argv[1:], os.environ)
     with st.sidebar.expander("Fleet recording", expanded=given is not None):
@@ -205,7 +206,7 @@ def _charts(folder: str) -> None:
             axes=axes,
             link=CHARTS_LINK,
             xmode="time",
-            captions=_captions(config.get("policy")),
+            captions=captions(config.get("policy")),
         )
     _DRAW_S[folder] = time.perf_counter() - started
 
@@ -233,8 +234,8 @@ def comparison(fleet: FleetRecording, folder: str) -> None:
     )
 
 
-def render_fleet_recording(opened: Opened) -> None:
-    """The fleet page over the open fleet recording (main.py calls this instead of the others)."""
+def render(opened: Opened) -> None:
+    """The fleet page over the open fleet recording ."""
     assert opened.folder is not None
     try:
         replay = fleet_replay(opened.folder)

@@ -8,7 +8,7 @@ the wall clock (`hello.engine.clock_epoch`), so what the router's policy did to 
 batches lines up; a table sums the fleet up (requests, tokens/s, prefix-cache hit rate per
 replica, from `instrumentation.fold.Summary`); the controls apply to one replica or to all; and
 prompts go through the gateway when there is one, so it routes them. A fleet recording (one trace
-per replica) is replayed with these same views by app/fleet_replay_ui.py.
+per replica) is replayed with these same views by app/page/fleet_recording.py.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import Any
 
 import streamlit as st
 
-from app import controls, external, session
+from app import controls, external, rerun
 from app.client import EngineLink, NotConnected, valid_url
 from app.fleet_replay import clock_offsets
 from app.kvmap import PageMapStore
 from app.live.component import LIVE_EVERY_S
 from app.live.component import live_charts as _live_charts
 from app.live.feed import ViewOptions
-from app.panels import _captions
+from app.panels import captions
 from instrumentation.fold import Summary, summarize_steps
 
 Message = dict[str, Any]
@@ -242,7 +242,7 @@ def live_summary(links: Sequence[Any], configs_known: bool) -> None:
     """The summary, once a second; the first time every replica's config is in, the whole page
     once more, so the controls show the engines' values without a click (the first minute)."""
     if not configs_known and all(link.store.snapshot(last_steps=0).config for link in links):
-        if session.may_ask_full_run():
+        if rerun.may_ask_full_run():
             st.rerun(scope="app")
     summary_table(links)
 
@@ -336,14 +336,17 @@ def replica_charts(urls: tuple[str, ...], i: int) -> None:
     offsets = clock_offsets([link.store.snapshot(last_steps=0).engine for link in links])
     shifted[i].offset = offsets[i]
     opts = ViewOptions(window=WINDOW_STEPS, xmode="time")
-    _live_charts(shifted[i], f"fleet-charts-{i}", opts, _captions,
+    _live_charts(shifted[i], f"fleet-charts-{i}", opts, captions,
                  hidden=not links[i].status().ever_connected)  # fmt: skip
 
 
-def render(spec: FleetSpec) -> None:
-    """The whole fleet page (main.py calls this instead of the single-engine page)."""
+def render(spec: FleetSpec | None, problem: str | None = None) -> None:
+    """The whole fleet page, or why the fleet it was given cannot be shown."""
+    if spec is None:
+        st.error(problem or "No fleet.")
+        return
     links = fleet_links(spec.urls)
-    session.await_hello(list(links))  # so this run draws the controls at the engines' values
+    rerun.await_hello(list(links))  # so this run draws the controls at the engines' values
     st.markdown(f"## :material/hub: stepscope: a fleet of {len(links)} engines")
     gateway = f" behind the gateway {spec.gateway}" if spec.gateway else ""
     st.caption(

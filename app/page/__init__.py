@@ -1,0 +1,1 @@
+"""One module per page the app shows; app/main.py picks which one draws."""

@@ -1,0 +1,114 @@
+"""The recording page: a recorded run replayed, with the live page's views and no engine.
+
+Every view reads the replay's store exactly as the live page reads a connection's (app/replay.py),
+so a recording shows the figures the live page showed. Above the charts: a step scrubber,
+play/pause and the speed (1×–50×). The player is drawn in the charts' own fragment: a fragment
+of its own, on a timer, lost its turns to the charts' pulls (several a second) and stood still
+while the charts played on.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from app import controls, panels, session, sidebar
+from app.live.component import LIVE_EVERY_S
+from app.page import common
+from app.replay import MAX_SPEED, MIN_SPEED, ReplayLink, ReplaySource
+
+SPEEDS = session.SPEEDS
+REFRESH_S = sidebar.REFRESH_S
+NO_ENGINE = "a recording has no engine to act on (close it to go back to the engine)."
+assert MIN_SPEED == SPEEDS[0] and MAX_SPEED == SPEEDS[-1]
+
+
+def _source() -> ReplaySource | None:
+    return session.REPLAY_SOURCE.get()
+
+
+def _on_scrub() -> None:
+    if (src := _source()) is not None:
+        src.seek(int(session.REPLAY_STEP.get() or 0))
+
+
+def _on_play() -> None:
+    src = _source()
+    if src is None:
+        return
+    if src.playing:
+        src.pause()
+        return
+    if src.at_end and src.recording.first_step is not None:  # play again from the start
+        src.seek(src.recording.first_step)
+    src.play(float(session.REPLAY_SPEED.get()))
+
+
+def _on_speed() -> None:
+    if (src := _source()) is not None:
+        src.set_speed(float(session.REPLAY_SPEED.get()))
+
+
+def config_note(step: dict | None) -> str:
+    """The budget, policy and admission a recorded step ran under."""
+    if step is None:
+        return "no step yet"
+    policy = controls.POLICY_LABELS.get(step.get("policy") or "", step.get("policy") or "?")
+    admission = step.get("admission")
+    return f"max_extend_tokens {step.get('budget', '?')} · {policy}" + (
+        f" · {controls.ADMISSION_LABELS.get(admission, admission)}" if admission else ""
+    )
+
+
+def player(src: ReplaySource) -> None:
+    """The scrubber follows the replay: it is set from the cursor on every run while playing."""
+    rec = src.recording
+    if src.playing or session.REPLAY_STEP.get() is None:
+        step = src.current_step
+        session.REPLAY_STEP.set(step if step is not None else rec.first_step)
+    cols = st.columns([7, 1.2, 2.2])
+    if rec.num_steps >= 2:
+        cols[0].slider("Step", min_value=rec.first_step, max_value=rec.last_step,
+                       key=session.REPLAY_STEP.key, on_change=_on_scrub,
+                       help="Show the recording as it stood when this step had run.")  # fmt: skip
+    else:
+        cols[0].caption(f"{rec.num_steps} step(s) recorded.")
+    cols[1].button(
+        ":material/pause: Pause" if src.playing else ":material/play_arrow: Play",
+        key="replay_play",
+        on_click=_on_play,
+        width="stretch",
+    )
+    session.REPLAY_SPEED.setdefault()
+    cols[2].select_slider("Speed", options=SPEEDS, key=session.REPLAY_SPEED.key,
+                          on_change=_on_speed, format_func=lambda v: f"{v}×")  # fmt: skip
+    state = "playing" if src.playing else "at the end" if src.at_end else "paused"
+    last = src.store.snapshot(last_steps=1).steps
+    st.caption(
+        f"Replay of `{rec.name}`: step {src.current_step} of {rec.first_step}–{rec.last_step}, "
+        f"t = {src.current_time - rec.times[0]:.2f} s of {rec.duration:.2f} s · {state} · "
+        f"{config_note(last[-1] if last else None)}"
+    )
+
+
+def _player_and_charts(src: ReplaySource) -> None:
+    player(src)
+    common.paused_banner()
+    panels.live_charts(ReplayLink(src))
+
+
+def render(src: ReplaySource) -> None:
+    link = ReplayLink(src)
+    with st.sidebar:
+        st.subheader("Scheduling")
+        st.caption(
+            "The budget, policy and admission as recorded are shown with each step, above the "
+            "charts; " + NO_ENGINE
+        )
+    sidebar.view_section(link)
+    sidebar.session_section(link, recording=True)
+    common.header(f"A recording, replayed: `{src.recording.name}`. " + common.TAGLINE)
+    # on timers whether playing or not: a scrub reruns only the player's fragment
+    st.fragment(common.headline, run_every=REFRESH_S)(link)
+    common.notices_line()
+    st.fragment(_player_and_charts, run_every=LIVE_EVERY_S)(src)
+    st.fragment(common.detail_views, run_every=REFRESH_S)(link, NO_ENGINE)

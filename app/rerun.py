@@ -1,0 +1,207 @@
+"""Streamlit's rerun model, and every workaround the page needs for it, in one place.
+
+A Streamlit page is a script run top to bottom on each interaction; fragments rerun parts of it
+on their own timers. Three consequences need care, and each has its one function here:
+
+1. **A fragment cannot redraw what only a full run draws** (the sidebar's scheduling controls,
+   the status line). When such a thing goes out of date (the engine's config arrived, a held
+   prompt reached the engine, a notice was left by a control inside a fragment), a fragment asks
+   for one full run: `page_outdated`, `show_notices_now`. Asking at the wrong moment loses
+   input, so `may_ask_full_run` says when it is safe (`FULL_RUN`, `FULL_RUN_END`,
+   `TICKS_SINCE_FULL_RUN`).
+2. **A widget's value can come back from before a sync.** The browser may send a rerun that
+   started before the controls were synced to the engine's config; that stale value is not the
+   user's choice (`STALE`, `stale`). And the store folds the engine's config broadcasts on
+   another thread, so for a moment it may still show an older config this tab set itself
+   (`OWN_CONFIGS`, `lagging`).
+3. **The first full run should not be drawn half-known.** An engine that is up answers within a
+   moment; waiting for its hello (`await_hello`) draws the controls at once, instead of a second
+   whole-app run asked for while the charts pull (which once froze them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import streamlit as st
+
+from app import controls, session
+from app.client import EngineLink
+
+SETTLE_S = 1.0  # after a full run, before a fragment may ask for the next one
+HELLO_WAIT_S = 2.0  # a full run waits this long at most for a connecting engine's hello
+STALE_S = 3.0  # how long a value from before a sync may still come back from the browser
+SYNCED = ("max_extend_tokens", "policy", "admission")
+
+
+# ---- 1. full runs asked for by fragments ------------------------------------------------------
+
+
+@contextmanager
+def full_run() -> Iterator[None]:
+    """Wrap the whole script's run: while it runs no fragment asks for another, and the time it
+    ended starts the settle period (`may_ask_full_run`)."""
+    session.FULL_RUN.set(True)
+    try:
+        yield
+    finally:  # also when a rerun or an error ends this run early
+        session.FULL_RUN.set(False)
+        session.FULL_RUN_END.set(time.monotonic())
+        session.TICKS_SINCE_FULL_RUN.set(0)
+
+
+def may_ask_full_run() -> bool:
+    """Whether a fragment may ask for a whole-app run now. Never during a full run (it draws the
+    page anyway, and a rerun would drop what started it, a form's Submit); nor while the browser
+    may still be mounting what the last full run drew: a whole-app rerun asked for then went out
+    with the new widgets at their first values (seen: Live off and 100 steps in view, so the
+    charts froze after their first update; on the fleet page, a third chart for two replicas).
+    Nor from the first timed fragment run after it: that run is the browser's first word since
+    it drew the page."""
+    if session.FULL_RUN.get():
+        return False
+    ticks = session.TICKS_SINCE_FULL_RUN.get() + 1
+    session.TICKS_SINCE_FULL_RUN.set(ticks)
+    return ticks >= 2 and time.monotonic() - session.FULL_RUN_END.get() >= SETTLE_S
+
+
+def page_outdated(link: EngineLink, mode_now: Callable[[EngineLink], Any]) -> bool:
+    """What the full page draws has changed since it last ran, and no fragment draws it: the
+    engine turned out external (or not), its config arrived (the scheduling controls), or a held
+    prompt reached it (its notice)."""
+    if not may_ask_full_run():
+        return False
+    return mode_now(link) != session.PAGE_MODE.get() or controls_outdated(link) or held_outdated()
+
+
+def redraw_when_outdated(link: EngineLink, mode_now: Callable[[EngineLink], Any]) -> None:
+    """In a fragment: ask for the full page once what it shows is outdated."""
+    if page_outdated(link, mode_now):
+        st.rerun(scope="app")
+
+
+def show_notices_now() -> None:
+    """In a fragment: if a control left a notice, rerun the page so the notice shows. The flag
+    stays until a full run draws the status line (`session.take_notices`): a rerun asked for
+    here can be lost (Streamlit keeps only the newest of the requests that race it, and the live
+    charts ask several times a second), and the next run of this fragment asks again."""
+    if session.NOTICE_UNSHOWN.get():
+        st.rerun()
+
+
+def controls_waiting(waiting: bool) -> None:
+    """The full page drew the sidebar without the scheduling controls (no engine config yet)."""
+    session.CONTROLS_WAITING.set(waiting)
+
+
+def controls_outdated(link: EngineLink) -> bool:
+    """The page was drawn before the engine's config arrived, and it has arrived since."""
+    return session.CONTROLS_WAITING.get() and session.engine_facts(link)[1] is not None
+
+
+def held_outdated() -> bool:
+    """A held notice on the page whose run has since reached the engine."""
+    return any(session.settled(n) is not None for n in session.notices())
+
+
+def awaiting_engine() -> bool:
+    """This run drew the page before the engine was ready for it: the scheduling controls are
+    missing, or a notice says a prompt or workload is held."""
+    return session.CONTROLS_WAITING.get() or any(n.held is not None for n in session.notices())
+
+
+# ---- 2. widget values from before a sync ------------------------------------------------------
+
+
+def remember_own(config: dict[str, Any]) -> None:
+    """A config this tab set and the engine confirmed: the controls show it from now on, and an
+    older one of this tab's still shown by the store is not taken for a change elsewhere."""
+    session.SYNCED_CONFIG.set(config)
+    mine = session.OWN_CONFIGS.setdefault()
+    mine.append((config, time.monotonic()))
+    del mine[:-8]
+
+
+def stale(field: str, value: object) -> bool:
+    """A value the controls showed before they were synced to the engine's config, sent back by
+    a rerun the browser started before the sync reached it (the live charts rerun their fragment
+    several times a second). It is not the user's choice: put the synced one back."""
+    old = session.STALE[field].get()
+    if old is None or old[0] != value or time.monotonic() - old[1] > STALE_S:
+        return False
+    synced = session.SYNCED_CONFIG.get() or {}
+    show(field, synced[field])
+    return True
+
+
+def show(field: str, value: Any) -> None:
+    """Make the control of `field` show `value` (the budget has two: slider and exact box)."""
+    if field == "max_extend_tokens":
+        session.BUDGET_EXACT.set(str(value))
+        session.BUDGET_SLIDER.set(int(value))
+    elif field == "admission":
+        session.ADMISSION.set(value)
+    else:
+        session.POLICY.set(value)
+
+
+def lagging(config: dict[str, Any]) -> bool:
+    """The engine's config as the store shows it is one this tab set before its latest change,
+    and that change is recent: the store has not folded the newer broadcast yet."""
+    mine = session.OWN_CONFIGS.get()
+    if len(mine) < 2 or time.monotonic() - mine[-1][1] > STALE_S:
+        return False
+    shown = {k: config.get(k) for k in SYNCED}
+    return any(shown == cfg for cfg, _ in mine[:-1]) and shown != mine[-1][0]
+
+
+def sync_controls(config: dict[str, Any] | None) -> None:
+    """Make the controls show the engine's config when it changed elsewhere (a preset, another
+    tab), remembering each replaced value for `stale`."""
+    session.BUDGET_EXACT.setdefault()
+    if not session.BUDGET_SLIDER.present():
+        session.BUDGET_SLIDER.set(int(session.DEFAULT_BUDGET))
+    current = {
+        "max_extend_tokens": session.BUDGET_SLIDER.get(),
+        "policy": session.POLICY.setdefault(),
+        "admission": session.ADMISSION.setdefault(),
+    }
+    if not config or not config.get("max_extend_tokens"):
+        return
+    if session.SYNCED_CONFIG.get() == config or lagging(config):
+        return
+    session.SYNCED_CONFIG.set(dict(config))
+    now = time.monotonic()
+    allowed = {"policy": controls.POLICIES, "admission": controls.ADMISSIONS}
+    for field in SYNCED:
+        value = config.get(field)
+        if value is None or (field in allowed and value not in allowed[field]):
+            continue
+        if current[field] != value:
+            session.STALE[field].set((current[field], now))
+        show(field, value)
+
+
+# ---- 3. the first full run --------------------------------------------------------------------
+
+
+def await_hello(links: list[EngineLink]) -> None:
+    """Wait (briefly) for each connecting engine's hello, so this full run draws the controls.
+    Waits for the hello, not the config itself: a watch's hello has an empty config, and waiting
+    on it held every full run of a watched engine's page for HELLO_WAIT_S."""
+    deadline = time.monotonic() + HELLO_WAIT_S
+    pending = list(links)
+    while pending and time.monotonic() < deadline:
+        pending = [link for link in pending if not _answered(link)]
+        if pending:
+            time.sleep(0.02)
+
+
+def _answered(link: EngineLink) -> bool:
+    snap = link.store.snapshot(last_steps=0)
+    if snap.config is not None or snap.engine is not None:
+        return True  # the hello is in: the engine's config (or that it has none)
+    return link.status().state not in ("connecting", "connected")  # nothing answers (yet)
