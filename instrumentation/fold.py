@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from instrumentation.delay import Delay, DelayLedger, GapDelay
 from instrumentation.metrics import gaps, percentile, request_metrics
 from instrumentation.protocol import (
     BROADCAST_TYPES,
@@ -67,6 +68,7 @@ Message = dict[str, Any]
 # a rough size of what one ended request keeps, for the byte bound of the ended-request memory
 _RECORD_BYTES = 600
 _TOKEN_BYTES = 64  # a float and an int in lists, and its share of the text
+_GAP_BYTES = 400  # a token's wait by cause (delay_gaps): a record and one or two charges
 
 
 @dataclass(slots=True)
@@ -98,6 +100,9 @@ class RequestRecord:
     # computed once when the request ended: its figures never change, so `hello` never
     # recomputes them
     cached_metrics: dict[str, Any] | None = None
+    delay: Delay | None = None  # once it ended (instrumentation.delay); with the fold's ledger,
+    # also its wait before each token
+    delay_gaps: list[GapDelay] | None = None
 
     @property
     def text(self) -> str:
@@ -125,7 +130,8 @@ class RequestRecord:
         return None if m is None else m.get("max_stall_seconds")
 
     def approx_bytes(self) -> int:
-        return _RECORD_BYTES + _TOKEN_BYTES * len(self.token_times) + len(self.text)
+        size = _RECORD_BYTES + _TOKEN_BYTES * len(self.token_times) + len(self.text)
+        return size + _GAP_BYTES * len(self.delay_gaps or ())
 
     def to_dict(self, metrics: bool = True) -> dict[str, Any]:
         """`metrics=False` leaves out the metrics and the text (cheap: no pass over the token
@@ -150,6 +156,7 @@ class RequestRecord:
         if metrics:
             d["text"] = self.text
             d["metrics"] = self.metrics()
+            d["delay"] = None if self.delay is None else self.delay.to_dict()
         return d
 
 
@@ -209,6 +216,7 @@ class Fold:
         max_ended: int = 2000,
         max_ended_bytes: int = 32 * 2**20,
         config: dict[str, Any] | None = None,
+        delays: bool = False,
     ) -> None:
         self.steps: deque[Message] = deque(maxlen=max_steps)
         self.config: dict[str, Any] = dict(config or {})
@@ -233,6 +241,8 @@ class Fold:
         self._last_t1: float | None = None
         self._first_step: int | None = None
         self._last_step: int | None = None  # the step the next `token` messages belong to
+        # `delays`: name each request's delay token by token here (else its end event's)
+        self.ledger = DelayLedger(detail=True) if delays else None
 
     # -- folding -------------------------------------------------------------------------
     def apply(self, msg: Message) -> Gap | None:
@@ -252,12 +262,13 @@ class Fold:
                     self.gaps += 1
                     self.lost += gap.lost
             self.seq = seq
+        computed = None if self.ledger is None else self.ledger.apply(msg)
         if kind == "step":
             self._on_step(msg)
         elif kind == "token":
             self._on_token(msg)
         elif kind == "request":
-            self._on_request(msg)
+            self._on_request(msg, computed)
         elif kind == "config":
             self.config = {k: v for k, v in msg.items() if k not in ("type", "id", "t", "seq")}
         return gap
@@ -276,6 +287,8 @@ class Fold:
         self._ended.clear()
         self._ended_bytes = 0
         self.engine, self.instance = engine, instance
+        if self.ledger is not None:
+            self.ledger.apply(hello)
         self.config = dict(hello.get("config") or {})
         seq = hello.get("seq")
         self.seq = seq if isinstance(seq, int) else None
@@ -332,7 +345,7 @@ class Fold:
         rec.pieces.append(msg.get("text", ""))
         rec.output_len += 1
 
-    def _on_request(self, msg: Message) -> None:
+    def _on_request(self, msg: Message, delay: Delay | None = None) -> None:
         uid, event, t = msg["uid"], msg["event"], msg.get("t")
         rec = self._live.get(uid)
         if rec is None:
@@ -366,6 +379,10 @@ class Fold:
             if "text" in msg:
                 rec.final_text = msg["text"]
             rec.cached_metrics = rec.metrics()
+            given = msg.get("delay")  # the server's, from the whole stream: preferred
+            rec.delay = Delay.from_dict(given) if isinstance(given, dict) else delay
+            if self.ledger is not None:
+                rec.delay_gaps = self.ledger.pop_gaps(uid)
             rec.final_text = rec.text
             rec.pieces = []
             del self._live[uid]
@@ -554,8 +571,9 @@ def _record_from_dict(row: dict[str, Any]) -> RequestRecord:
     rec.reported_metrics = metrics
     if rec.ended:
         rec.cached_metrics = metrics
-    if rec.ended:
         rec.final_text = row.get("text")
+        if isinstance(row.get("delay"), dict):
+            rec.delay = Delay.from_dict(row["delay"])
     else:  # still generating: later token texts append to what was shown so far
         rec.pieces.append(row.get("text") or "")
     return rec

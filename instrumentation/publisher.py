@@ -5,8 +5,10 @@ The engine thread hands over whole batches of messages with `publish()`, which n
 server thread numbers each broadcast (`seq`, protocol v1.1), serializes it once, gives it to the
 sinks (the history fold, trace file) and appends the same string to every client's bounded
 queue. `publish_serialized()` takes batches already numbered and serialized elsewhere (the
-engine's own process) and only parses them for the sinks. A client that stops reading loses its
-oldest messages; once it has lost `drop_limit` of them without catching up, it is disconnected.
+engine's own process) and only parses them for the sinks. Either way each request's end event
+(`finished`, `aborted`) gets its `delay` here (instrumentation.delay), before any sink or client
+sees it: the only re-serialized messages. A client that stops reading loses its oldest messages;
+once it has lost `drop_limit` of them without catching up, it is disconnected.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 
+from instrumentation.delay import DelayLedger
 from instrumentation.protocol import BROADCAST_TYPES
 
 log = logging.getLogger("stepscope.publisher")
@@ -138,8 +141,12 @@ class Publisher:
         hello: Callable[[], Message],
         sinks: Iterable[Sink] = (),
         loads: Callable[[bytes], Message] = json.loads,
+        delays: bool = True,
     ) -> None:
         self.config = config
+        # names each request's delay in its end event, before any sink or client sees it
+        # (instrumentation.delay): the one place that sees the whole stream from the start
+        self.delays = DelayLedger() if delays else None
         self._hello = hello
         self._loads = loads  # parses what `publish_serialized` is given
         # Set before start(): handles each frame a client sends (the command handler).
@@ -242,6 +249,8 @@ class Publisher:
             if msg.get("type") in BROADCAST_TYPES:
                 self.seq += 1
                 msg["seq"] = self.seq
+            if self.delays is not None:
+                self.delays.annotate(msg)
             text = json.dumps(msg)  # once, shared by every client
             for sink in self._sinks:
                 sink(msg, text)
@@ -250,15 +259,22 @@ class Publisher:
 
     def _fan_out_serialized(self, frames: list[bytes]) -> None:
         texts = []
-        for frame in frames:
+        payloads = frames
+        for i, frame in enumerate(frames):
             msg = self._loads(frame)
             if isinstance(seq := msg.get("seq"), int):
                 self.seq = seq
-            text = frame.decode()
+            if self.delays is not None and self.delays.annotate(msg):  # a request's end
+                text = json.dumps(msg)
+                if payloads is frames:
+                    payloads = list(frames)
+                payloads[i] = text.encode()
+            else:
+                text = frame.decode()
             for sink in self._sinks:
                 sink(msg, text)
             texts.append(text)
-        self._deliver(texts, frames)
+        self._deliver(texts, payloads)
 
     def _deliver(self, texts: list[str], payloads: list[bytes] | None = None) -> None:
         _deliver(self.clients, texts, payloads)
