@@ -20,13 +20,14 @@ def _fmt(value: Any) -> Any:
 def render(source: ReplaySource, other: Recording) -> None:
     sidebar.view_section(ReplayLink(source))
     common.header(f"Two recordings compared: A `{source.recording.name}` and B `{other.name}`.")
+    st.markdown("### Compare")
     a, b = compare.side(source.recording), compare.side(other)
     rows = [{k: _fmt(v) for k, v in r.items()} for r in compare.table(a, b)]
     st.dataframe(pd.DataFrame(rows), hide_index=True, key="compare_table")
     left, right = st.columns(2)
     left.button(f"Replay A ({source.recording.name}) alone", key="compare_close_main",
                 on_click=session.REPLAY_COMPARE.pop)  # fmt: skip
-    right.button(f"Replay B ({other.name}) alone", key="compare_open_b",
+    right.button(f"Open B ({other.name}) in the page", key="compare_open_b",
                  on_click=_replay_b)  # fmt: skip
     panels.compare_charts(a, b, xmode=session.XMODE.get())
 

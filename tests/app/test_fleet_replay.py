@@ -269,7 +269,7 @@ def test_the_page_replays_a_fleet_recording_with_its_controls_disabled(
     at.select_slider(key="fleet_replay_speed").set_value(50).run()
     at.button(key="fleet_replay_play").click().run()
     assert not at.exception, at.exception
-    from app.fleet_replay_ui import fleet_replay
+    from app.page.fleet_recording import fleet_replay
 
     replay = fleet_replay(str(fleet_dir.resolve()))
     assert replay.speed == 50
