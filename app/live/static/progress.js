@@ -4,12 +4,56 @@
   const { stepsPerPixel, groups, color } = S;
   const MAX_POINTS = 4000; // past this, each few steps keep only their highest and lowest gaps
 
+  // Each request's tokens so far, one line per request (at most `max` of them, else none):
+  // a prefill samples its first token, a decode one more, and a recompute piece followed by
+  // a decode ended the recompute and sampled one. Points are kept per group of k steps, as the
+  // total's are, so a line costs at most a point per two pixels.
+  function requestLines(rec, style, k, max) {
+    const s = rec.steps, it = rec.items;
+    const per = new Map(); // uid -> {x, y, n, kind (its last item's), t, g}
+    const add = (p, t, step) => {
+      p.n++;
+      const g = Math.floor(step / k);
+      if (g === p.g && p.x.length > 1) { p.x[p.x.length - 1] = t; p.y[p.y.length - 1] = p.n; } else { p.x.push(t); p.y.push(p.n); }
+      p.g = g;
+    };
+    let i = 0;
+    for (let j = 0; j < it.length; j++) {
+      if (it.w[j]) continue; // wasted work sampled nothing
+      while (s.step[i] < it.step[j]) i++;
+      const uid = it.uid[j], kind = it.kind[j];
+      let p = per.get(uid);
+      if (!p) {
+        if (per.size >= max) return { data: [], requests: countRequests(it, max) };
+        p = { x: [s.t0[i]], y: [0], n: 0, kind: -1, t: 0, step: 0, g: null };
+        per.set(uid, p);
+      }
+      if (kind === 2 && p.kind === 3) add(p, p.t, p.step);
+      if (kind === 1 || kind === 2) add(p, s.t1[i], s.step[i]);
+      Object.assign(p, { kind, t: s.t1[i], step: s.step[i] });
+    }
+    const data = [];
+    for (const [uid, p] of per) {
+      data.push({ type: "scatter", x: p.x, y: p.y, mode: "lines", name: `req ${uid}`,
+        line: { color: color(style, uid), width: 1.5, shape: "hv" }, customdata: p.x.map(() => uid),
+        hovertemplate: "req %{customdata}: %{y} tokens by %{x:.2f} s<extra></extra>" });
+    }
+    return { data, requests: per.size };
+  }
+
+  function countRequests(it, max) {
+    const uids = new Set();
+    for (let j = 0; j < it.length; j++) if (!it.w[j]) uids.add(it.uid[j]);
+    return Math.max(uids.size, max + 1);
+  }
+
   function progressFigure(rec, style, widthPx) {
     const s = rec.steps;
     const x = [], y = [];
     let total = 0;
     if (s.length) { x.push(s.t0[0]); y.push(0); }
-    const picks = groups(rec, stepsPerPixel(s.length, widthPx), (i) => s.stalled[i]);
+    const k = stepsPerPixel(s.length, widthPx);
+    const picks = groups(rec, k, (i) => s.stalled[i]);
     for (const [a, b] of picks) {
       for (let i = a; i <= b; i++) total += s.sampled[i];
       x.push(s.t1[b]); y.push(total);
@@ -19,14 +63,20 @@
     for (const [a, b, i] of picks) if (s.stalled[i]) {
       bx.push((s.t0[a] + s.t1[b]) / 2); bw.push(s.t1[b] - s.t0[a]); by.push(top); bc.push(s.stalled[i]);
     }
+    const max = style.max_lines || style.max_lanes || 40;
+    const lines = requestLines(rec, style, k, max);
+    const annotations = lines.requests > max ? [{ xref: "paper", yref: "paper", x: 0.01, y: 0.99,
+      xanchor: "left", yanchor: "top", showarrow: false, font: { size: 12, color: "#444" },
+      text: `${lines.requests} requests in view: only their total is drawn (a line per request up to ${max}: narrow Steps in view for them)` }] : [];
     return { data: [
       { type: "bar", x: bx, width: bw, y: by, name: "decode stalled", customdata: bc,
         marker: { color: style.stall, opacity: 0.18, line: { width: 0 } },
         hovertemplate: "%{customdata} decoding request(s) waited<extra></extra>" },
+      ...lines.data,
       { type: "scatter", x, y, name: "all requests", mode: "lines",
-        line: { color: "#222", width: 3, shape: "hv" }, hovertemplate: "%{y} tokens by %{x:.2f} s<extra></extra>" },
-    ], layout: { height: 360, uirevision: "progress", barmode: "overlay",
-      margin: { l: 60, r: 20, t: 12, b: 40 },
+        line: { color: "#222", width: 3, shape: "hv" }, hovertemplate: "%{y} tokens by %{x:.2f} s, all requests<extra></extra>" },
+    ], lines: lines.data.length, layout: { height: 360, uirevision: "progress", barmode: "overlay",
+      margin: { l: 60, r: 20, t: 12, b: 40 }, annotations,
       showlegend: false, // the legend is HTML above the plot: Plotly would re-measure it every update
       xaxis: { title: { text: style.x_titles.time }, autorange: true },
       yaxis: { title: { text: "generated tokens" }, range: [0, top] } } };

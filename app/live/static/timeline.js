@@ -84,6 +84,12 @@
     const split = lanePx / (lanePx + batchPx);
     const annotations = budgetVisible ? [] : [{ text: `budget ${budgetMax} ↑ (above the chart)`,
       xref: "paper", yref: "y domain", x: 1, y: 1, xanchor: "right", yanchor: "top", showarrow: false }];
+    if (lanes.total > lanes.labels.length) { // in the gap between the bars and the lanes
+      annotations.push({ xref: "paper", yref: "paper", x: 0, y: split, xanchor: "left", yanchor: "bottom",
+        showarrow: false, font: { size: 12, color: "#444" },
+        text: `Lanes of the newest ${lanes.labels.length} of the ${lanes.total} requests held; the ` +
+          `${lanes.total - lanes.labels.length} older ones have none (the bars above count every request).` });
+    }
     const layout = {
       height: batchPx + lanePx + 130, barmode: "overlay", uirevision: "timeline",
       margin: { l: 60, r: 20, t: 12, b: 40 }, hovermode: "closest",
@@ -95,7 +101,7 @@
         categoryarray: lanes.labels.slice().reverse(), domain: [0, split], anchor: "x" },
       uniformtext: { minsize: 9, mode: "hide" }, annotations, shapes,
     };
-    return { data, layout, detail, nView };
+    return { data, layout, detail, nView, lanes: [lanes.labels.length, lanes.total] };
   }
 
   function segmentTraces(rec, axis, style, j0, j1) {
@@ -150,7 +156,7 @@
 
   function laneTraces(rec, axis, style, labels) {
     const s = rec.steps;
-    if (!s.length) return { data: [], labels: [] };
+    if (!s.length) return { data: [], labels: [], total: 0 };
     const firstStep = s.step[0], endX = axis.hi(s.length - 1), startX = axis.lo(0);
     const uids = [...rec.firstItemStep.keys()];
     for (const [uid, r] of rec.requests) if (r.state === "waiting" && !rec.firstItemStep.has(uid)) uids.push(uid);
@@ -229,7 +235,7 @@
         insidetextanchor: "middle", textfont: { color: "white", size: 11 } });
       data.push(trace);
     }
-    return { data, labels: shown.map(label) };
+    return { data, labels: shown.map(label), total: uids.length };
   }
 
   function lane() { return { y: [], base: [], x: [], color: [], text: [], hover: [] }; }
