@@ -33,10 +33,11 @@ class Headline:
     itl_p50: float | None
     itl_p99: float | None
     itl_p999: float | None
+    # the longest stall, ended or still going on
     worst_stall: float | None
     worst_stall_uid: int | None
-    # running requests whose last token is older than the last step (a stall not yet ended:
-    # it counts as one when their next token comes), and the longest of those waits
+    # requests waiting for their next token (running, or retracted and queued again) whose last
+    # token is older than the last step: a stall not yet ended, and the longest of those waits
     stalled_now: int
     stalled_now_s: float | None
     kv_used: float | None
@@ -66,12 +67,22 @@ def headline(
     these steps."""
     rows = list(requests)
     s = summarize_steps(steps, rows)
-    running = [int(r["uid"]) for r in rows if r.get("state") == "running"]
-    ongoing = [st.seconds for st in fold_stalls(steps, running) if st.ongoing]
+    running = sum(r.get("state") == "running" for r in rows)
+    waiting = sum(r.get("state") == "waiting" for r in rows)
+    # a retracted request has tokens and waits for its next one like a running request does
+    between_tokens = [
+        int(r["uid"])
+        for r in rows
+        if r.get("state") == "running" or (r.get("state") == "waiting" and r.get("output_len"))
+    ]
+    ongoing = [st for st in fold_stalls(steps, between_tokens) if st.ongoing]
+    longest = max(ongoing, key=lambda st: st.seconds, default=None)
+    worst, worst_uid = s.worst_stall_s, s.worst_stall_uid
+    if longest is not None and (worst is None or longest.seconds > worst):
+        worst, worst_uid = longest.seconds, longest.uid
     last = steps[-1] if steps else {}
-    kv = last.get("kv") or {}
+    kv = pool_now(steps, rows)
     total = kv.get("total") or 0
-    queue = last.get("queue") or {}
     return Headline(
         summary=s,
         scope=scope(s, whole),
@@ -81,12 +92,25 @@ def headline(
         itl_p50=s.itl_p50_s,
         itl_p99=s.itl_p99_s,
         itl_p999=s.itl_p999_s,
-        worst_stall=s.worst_stall_s,
-        worst_stall_uid=s.worst_stall_uid,
+        worst_stall=worst,
+        worst_stall_uid=worst_uid,
         stalled_now=len(ongoing),
-        stalled_now_s=max(ongoing, default=None),
+        stalled_now_s=None if longest is None else longest.seconds,
         kv_used=kv.get("used", 0) / total if total else None,
         kv_cached=kv.get("cached", 0) / total if total else None,
-        running=int(queue.get("running", 0)),
-        waiting=int(queue.get("waiting", 0)),
+        running=running if rows or not last else int((last.get("queue") or {}).get("running", 0)),
+        waiting=waiting if rows or not last else int((last.get("queue") or {}).get("waiting", 0)),
     )
+
+
+def pool_now(steps: Sequence[Message], requests: Sequence[Message]) -> dict[str, Any]:
+    """The KV pool as it stands now: the newest of the last step's `kv` and the pool an ended
+    request's event reported after giving its pages back (an engine that went idle publishes no
+    step after its last request ends)."""
+    last = steps[-1] if steps else {}
+    kv, t = last.get("kv") or {}, float(last.get("t1") or float("-inf"))
+    for r in requests:
+        after = r.get("kv_after")
+        if after and float(r.get("t_finished") or float("-inf")) >= t:
+            kv, t = after, float(r["t_finished"])
+    return kv

@@ -146,6 +146,12 @@ class StepPipeline:
     def kv_stats(self) -> KVStats:
         return self.kv.stats(self.scheduler.reserved_tokens())
 
+    def pool(self) -> dict[str, int]:
+        """The pool now, as a step's `kv` says it (for the events that end a request)."""
+        kv = self.kv_stats()
+        return {"total": kv.total, "used": kv.used, "cached": kv.cached, "free": kv.free,
+                "reserved": kv.reserved}  # fmt: skip
+
     def queue_stats(self, waiting_reason: WaitReason | None = None) -> QueueStats:
         sched = self.scheduler
         return QueueStats(sched.num_waiting, sched.num_running, waiting_reason)
@@ -167,6 +173,7 @@ class StepPipeline:
                 fields = {"output_len": len(state.output_ids), **self._metrics(state)}
                 events.append(RequestEvent(uid, "aborted", t, fields))
                 self._on_end(uid, state)
+                fields["kv"] = self.pool()  # its pages are back: an idle engine says so here
         return events
 
     def _admit(
@@ -294,6 +301,10 @@ class StepPipeline:
                 )
             )
             self._on_end(st.uid, st)
+        if finished:  # the pool with their pages back: no step follows if the engine goes idle
+            pool = self.pool()
+            for ev in req_events[-len(finished) :]:
+                ev.fields["kv"] = pool
 
         items = step.items
         gone |= {r.uid for r in step.batch.reqs if r.state.aborted}  # chunks don't sample

@@ -91,6 +91,7 @@ class RequestRecord:
     message: str | None = None
     source: str | None = None
     retractions: int = 0  # times retracted (v1.3): back to waiting, outputs kept, recomputed
+    kv_after: dict[str, int] | None = None  # the pool once it ended (its event's `kv`)
     token_times: list[float] = field(default_factory=list)
     token_steps: list[int] = field(default_factory=list)  # the step number of each token
     pieces: list[str] = field(default_factory=list)
@@ -152,6 +153,7 @@ class RequestRecord:
             "message": self.message,
             "source": self.source,
             "retractions": self.retractions,
+            "kv_after": self.kv_after,
         }
         if metrics:
             d["text"] = self.text
@@ -373,6 +375,7 @@ class Fold:
             rec.state = event
             rec.t_finished = t
             rec.finish_reason = msg.get("finish_reason")
+            rec.kv_after = msg.get("kv", rec.kv_after)
             rec.message = msg.get("message")
             if "output_len" in msg:
                 rec.output_len = msg["output_len"]
@@ -562,7 +565,7 @@ def _record_from_dict(row: dict[str, Any]) -> RequestRecord:
     rec = RequestRecord(uid=row["uid"], state=row.get("state", "waiting"))
     for name in (
         "prompt_len", "cached_len", "max_tokens", "t_queued", "t_admitted", "t_first_token",
-        "t_last_token", "t_finished", "finish_reason", "message", "source",
+        "t_last_token", "t_finished", "finish_reason", "message", "source", "kv_after",
     ):  # fmt: skip
         setattr(rec, name, row.get(name))
     rec.retractions = row.get("retractions") or 0

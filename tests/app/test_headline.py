@@ -46,7 +46,8 @@ def test_the_row_is_the_summary_of_the_steps_given() -> None:
     assert (h.worst_stall, h.worst_stall_uid) == (s.worst_stall_s, 0)
     assert h.worst_stall == pytest.approx(0.6 - 0.2)  # steps 2-4 ran without request 0
     assert h.tokens_per_s == s.output_tok_s == pytest.approx(5 / 0.6)
-    assert (h.kv_used, h.kv_cached, h.running, h.waiting) == (0.10, 0.05, 2, 1)
+    # running / waiting as the request records stand now, not as the last step saw them
+    assert (h.kv_used, h.kv_cached, h.running, h.waiting) == (0.10, 0.05, 2, 0)
 
 
 def test_the_row_says_what_it_covers() -> None:
@@ -62,10 +63,40 @@ def test_the_row_says_what_it_covers() -> None:
 
 
 def test_a_stall_not_yet_ended_is_shown_as_stalled_now() -> None:
-    """Mid-prompt under prefill-first: request 0 has been left out since step 1. It is no stall
-    yet (no token ended the gap), but the row says it is waiting, and for how long."""
+    """Mid-prompt under prefill-first: request 0 has been left out since step 1. No token has
+    ended the gap yet, but it is the worst stall so far, and the row says it is still going."""
     h = headline(STEPS[:4], REQUESTS)
-    assert h.worst_stall is None
+    assert h.summary.worst_stall_s is None  # the fold's ended stalls: none yet
     assert h.stalled_now == 1 and h.stalled_now_s == pytest.approx(0.4 - 0.2)
+    assert (h.worst_stall, h.worst_stall_uid) == (h.stalled_now_s, 0)
     done = headline(STEPS, REQUESTS)
     assert done.stalled_now == 0 and done.stalled_now_s is None
+
+
+def test_a_retracted_request_waiting_for_its_next_token_is_stalled() -> None:
+    """Retracted, a request is back in the queue with its tokens kept: every step that runs
+    without it is a stall in progress, shown in the row (it was "worst stall: none")."""
+    retracted = [{**REQUESTS[0], "state": "waiting", "output_len": 2}, REQUESTS[1]]
+    h = headline(STEPS[:4], retracted)
+    assert h.stalled_now == 1 and (h.worst_stall, h.worst_stall_uid) == (h.stalled_now_s, 0)
+    assert (h.running, h.waiting) == (1, 1)
+
+
+def test_an_idle_engine_shows_the_pool_and_queue_after_its_last_request_ended() -> None:
+    """No step follows the last request's end: the row reads the pool from the end event
+    (`kv_after`) and the counts from the records, not from the last step."""
+    empty = {"total": 100, "used": 0, "cached": 12, "free": 88, "reserved": 0}
+    ended = [
+        {
+            **r,
+            "state": "finished",
+            "t_finished": STEPS[-1]["t1"],
+            "kv_after": empty if r["uid"] else None,
+        }
+        for r in REQUESTS
+    ]
+    h = headline(STEPS, ended)
+    assert (h.running, h.waiting, h.kv_used, h.kv_cached) == (0, 0, 0.0, 0.12)
+    # a step after the end event is newer than it
+    later = [*STEPS, step(6, [(2, "prefill", 0, 4)])]
+    assert headline(later, ended).kv_used == 0.10
