@@ -1,9 +1,10 @@
-"""The tensor-parallel check, for a machine with two GPUs (nvidia-h200-x2): one script, one call.
+"""Does tensor parallelism reproduce one GPU, and what does it buy? For a machine with two GPUs.
 
-    PYTHONPATH=. python3 scripts/tp_check.py --out OUT [--sections warmup,exact,bench]
+    python -m bench.tp --out DIR [--sections warmup,exact,bench]
+    python -m bench.tp --dry-run --out /tmp/tp --sections exact,bench   # on CPU, anywhere
 
 Sections, in order (each isolated: one failing prints its traceback and the rest still run):
-  warmup  FlashInfer's JIT kernels, built once before any engine (the GPU check's, scripts/gpu_check/)
+  warmup  FlashInfer's JIT kernels, built once before any engine (as bench.gpu does)
   exact   tp_size=2 against tp_size=1, greedy tokens and logits of the same prompts: Qwen3-0.6B
           and Llama-3.1-8B shapes with random weights (graphs and overlap on, and both off),
           SmolLM2 (uneven heads: 2 and 1 KV heads) when its weights are here
@@ -13,8 +14,9 @@ Sections, in order (each isolated: one failing prints its traceback and the rest
 
 Dummy weights are the same at every tp_size (each rank keeps its slices of the whole model's
 draw), so tp_size=2 must reproduce tp_size=1 up to the order of bf16 sums in the all-reduce:
-`compare_greedy` counts a divergence at a near-tie apart from a real mismatch. Markdown to
-stdout and OUT/tp_check.md, raw numbers to OUT/tp_check.json.
+`compare_greedy` counts a divergence at a near-tie apart from a real mismatch. `--dry-run` runs
+the same code on CPU over gloo at a tiny shape (a check of this tool where no GPU is). Markdown
+to stdout and DIR/tp.md, raw numbers to DIR/tp.json.
 """
 
 from __future__ import annotations
@@ -22,40 +24,40 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import statistics
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-# the GPU check's report, timing helpers, JIT warm-up and folded detokenizer (for random ids)
-import engine.step  # noqa: E402
-from engine import LLM  # noqa: E402
-from engine.checks.greedy import compare_greedy, trace_run  # noqa: E402
-from instrumentation.sampling import SamplingParams  # noqa: E402
-from scripts.gpu_check.common import (  # noqa: E402
+import engine.step
+from bench.gpu.common import (
     QWEN,
     FoldedDetokenizer,
+    Report,
     decode_times,
     drive,
-    free,
+    environment,
+    flashinfer_missing,
+    jit_warmup,
     rand_ids,
     weight_bytes,
 )
-from scripts.gpu_check.main import run_sections, sec_env  # noqa: E402
-from scripts.gpu_check.report import Report  # noqa: E402
-from scripts.gpu_check.smollm2 import smollm2_path  # noqa: E402
-from scripts.gpu_check.warmup import sec_warmup  # noqa: E402
+from bench.gpu.real_weights import smollm2_path
+from engine import LLM
+from engine.checks.greedy import compare_greedy, trace_run
+from instrumentation.sampling import SamplingParams
 
+# random-weight models sample ids the bundled tokenizer does not know (the worker ranks, which
+# import this module, too)
 engine.step.IncrementalDetokenizer = FoldedDetokenizer  # type: ignore[misc]
 
+REPO = Path(__file__).resolve().parents[1]
 LLAMA8B = REPO / "assets" / "llama3-8b"
 SECTIONS = ("warmup", "exact", "bench")
 PROMPT_LEN, NEW_TOKENS, BATCHES = 512, 128, (1, 64)
@@ -72,11 +74,11 @@ def dry_run() -> None:
 
 
 class TPReport(Report):
-    """The GPU check's report, saved under this script's name."""
+    """bench.gpu's report, saved as tp.md and tp.json."""
 
     def save(self) -> None:
-        (self.out / "tp_check.md").write_text("\n".join(self.md) + "\n")
-        (self.out / "tp_check.json").write_text(json.dumps(self.data, indent=1, default=str))
+        (self.out / "tp.md").write_text("\n".join(self.md) + "\n")
+        (self.out / "tp.json").write_text(json.dumps(self.data, indent=1, default=str))
 
 
 def engine(path: Path, tp_size: int, **kw: Any) -> LLM:
@@ -91,11 +93,15 @@ def engine(path: Path, tp_size: int, **kw: Any) -> LLM:
 def dispose(llm: LLM) -> None:
     llm.close()  # the worker ranks and the process group
     del llm
-    free()
+    import gc
+
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 # -- exact -------------------------------------------------------------------------------------
-def sec_exact(r: Report) -> None:
+def exact(r: Report) -> None:
     headers = ["model", "variant", "prompts", "same", "ties", "mismatches", "worst rel err"]
     rows: list[list[Any]] = []
     variants: list[tuple[str, dict[str, Any]]] = [
@@ -108,7 +114,7 @@ def sec_exact(r: Report) -> None:
         params = SamplingParams(max_tokens=32, ignore_eos=True)
         for label, kw in variants if name == "Qwen3-0.6B" else variants[:1]:
             if r.left() < 90:
-                r.say(f"(skipped exact {name} {label}: out of time)")
+                r.say(f"(skipped exact {name} {label}: past the deadline)")
                 continue
             one = engine(path, 1, **kw)
             ref = trace_run(one, prompts, params)
@@ -166,14 +172,14 @@ def comm_ms_per_step(llm: LLM, batch: int, steps: int, rng: random.Random) -> fl
     return us / 1000 / steps
 
 
-def sec_bench(r: Report) -> None:
+def bench(r: Report) -> None:
     headers = ["model", "tp", "batch", "step ms (median)", "decode tok/s", "rank 0 ms",
                "rank 1 ms", "collectives ms/step (rank 0)", "weights GB/GPU"]  # fmt: skip
     rows: list[list[Any]] = []
     for name, (path, vocab) in SHAPES.items():
         for tp in (1, 2):
             if r.left() < 120:
-                r.say(f"(skipped bench {name} tp={tp}: out of time)")
+                r.say(f"(skipped bench {name} tp={tp}: past the deadline)")
                 continue
             llm = engine(path, tp)
             records: list[Any] = []
@@ -214,34 +220,56 @@ def _rank_ms(records: list[Any], batch: int, rank: int) -> float | None:
 
 
 # -- main --------------------------------------------------------------------------------------
+def warmup(r: Report) -> None:
+    if (missing := flashinfer_missing()) is not None:
+        r.say(f"(no warm-up: {missing})")
+        return
+    times = jit_warmup()
+    r.data["warmup_s"] = times
+    r.table("FlashInfer JIT builds", ["module", "seconds"], [[k, v] for k, v in times.items()])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.tp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/tp")))
+    ap.add_argument("--out", type=Path, default=Path("out/tp"))
     ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--deadline-s", type=float, default=560.0, help="skip what would start later")
+    ap.add_argument("--deadline-s", type=float, default=None, help="skip what would start later")
     ap.add_argument("--dry-run", action="store_true", help="on CPU, tiny shape (no GPU needed)")
     args = ap.parse_args()
+    wanted = args.sections.split(",")
+    if unknown := set(wanted) - set(SECTIONS):
+        ap.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     if args.dry_run:
         dry_run()
     elif torch.cuda.device_count() < 2:
-        print("tp_check needs two GPUs", file=sys.stderr)
+        print(f"bench.tp needs two CUDA devices; torch sees {torch.cuda.device_count()} "
+              "(--dry-run runs it on CPU)", file=sys.stderr)  # fmt: skip
         return 2
-    r = TPReport(args.out, args.deadline_s)
-    wanted = args.sections.split(",")
-    if unknown := set(wanted) - set(SECTIONS):
-        ap.error(f"unknown sections {sorted(unknown)}; known: {SECTIONS}")
-    r.say(f"# Tensor-parallel check ({' '.join(sys.argv)})\n")
+    r = TPReport(args.out, args.deadline_s or float("inf"))
+    r.say(f"# bench.tp ({' '.join(sys.argv[1:])})\n")
     if DEVICE == "cuda":
-        sec_env(r)
-    run: dict[str, Callable[[Report], None]] = {
-        "warmup": sec_warmup,
-        "exact": sec_exact,
-        "bench": sec_bench,
-    }
-    names = [n for n in SECTIONS if n in wanted and (n != "warmup" or DEVICE == "cuda")]
-    run_sections(r, names, lambda name: run[name](r))
+        environment(r)
+    run: dict[str, Callable[[Report], None]] = {"warmup": warmup, "exact": exact, "bench": bench}
+    for name in [n for n in SECTIONS if n in wanted and (n != "warmup" or DEVICE == "cuda")]:
+        if r.left() < 10:
+            r.say(f"\n(skipped section {name}: past the deadline)\n")
+            continue
+        t = time.perf_counter()
+        print(f"\n=== {name} (at {r.elapsed():.0f} s) ===", flush=True)
+        try:
+            run[name](r)
+        except Exception:
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+            r.say(f"\n### {name}: FAILED\n\n```\n{tb[-2500:]}\n```\n")
+        r.data.setdefault("section_s", {})[name] = time.perf_counter() - t
+        r.save()
+    r.say(f"\nTotal {r.elapsed():.0f} s.")
+    r.save()
     return 0
 
 

@@ -1,4 +1,6 @@
-"""decode: the split-KV decode attention kernel against FlashInfer's, per batch class."""
+"""The kernels' tuning: the skinny matmuls (engine/kernels/gemv.py) against cuBLAS, and the
+split-KV decode attention kernel (engine/kernels/decode.py) against FlashInfer's, per shape and
+row class; each winner is pinned for the rest of the run and written as the device's table."""
 
 from __future__ import annotations
 
@@ -7,17 +9,56 @@ from typing import Any
 
 import torch
 
-from engine.checks.greedy import (
-    rel_err,
-)
+from bench.gpu import common
+from bench.gpu.common import QWEN_VOCAB, Report, copy_bandwidth, free
+from engine.checks.greedy import rel_err
 from engine.kvcache.pool import KVPool
-from scripts.gpu_check import common
-from scripts.gpu_check.common import free
-from scripts.gpu_check.report import Report
+
+GEMV_SHAPES = {  # the Qwen3-0.6B shape's weights, [N, K]
+    "qkv_proj": (4096, 1024),
+    "o_proj": (1024, 2048),
+    "gate_up_proj": (6144, 1024),
+    "down_proj": (1024, 3072),
+    "lm_head": (QWEN_VOCAB, 1024),
+}
+
+
+def tune_gemv(r: Report) -> None:
+    """The skinny matmuls (engine/kernels/gemv.py) against cuBLAS for every weight of the Qwen3
+    shape at 1 to 64 rows, each call of a CUDA graph of 50 on another copy of the weight (so it
+    comes from memory, as in a decode step, not from L2); the fastest is pinned for the rest of
+    the run (`gemv.set_choice`) and the table written to OUT/gemv_tuned.json."""
+    from engine.kernels import gemv as G
+
+    bw = copy_bandwidth(r)
+    rows, raw = [], []
+    for name, (n, k) in GEMV_SHAPES.items():
+        w = torch.randn(n, k, device=common.DEV, dtype=torch.bfloat16) / k**0.5
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            if r.left() < 20:
+                r.say("(skipped the rest of the GEMV tuning: past the deadline)")
+                break
+            cfg, us, base = G.tune(w, m)
+            G.set_choice(n, k, m, cfg)
+            floor = n * k * 2 / bw * 1e6
+            rows.append([name, m, base, us, base / us, floor, f"{cfg}" if cfg else "cuBLAS"])
+            raw.append(dict(weight=name, n=n, k=k, rows=m, cublas_us=base, best_us=us,
+                            floor_us=floor, config=vars(cfg) if cfg else None))  # fmt: skip
+        del w
+        free()
+    r.data["gemv"] = raw
+    tuned = G.table_rows(torch.cuda.get_device_name())
+    (r.out / "gemv_tuned.json").write_text(json.dumps(tuned, indent=1) + "\n")
+    r.table(
+        "Skinny matmuls against cuBLAS (µs per call, from a CUDA graph of 50 over copies)",
+        ["weight", "rows", "cuBLAS µs", "best µs", "speed-up", "copy floor µs", "chosen"],
+        rows,
+    )
+
 
 # decode attention alone: the graphs' row classes tuned at one context, and the kernel options
 DECODE_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DECODE_CONTEXT = 535  # the bench's mean context (512-token prompts, 128 new tokens)
+DECODE_CONTEXT = 535  # the decode rows' mean context (512-token prompts, 128 new tokens)
 DECODE_LAYERS = 28  # one launch per layer, each over its own layer's cache (more than L2 holds)
 
 
@@ -78,25 +119,25 @@ def decode_step_us(
     return start.elapsed_time(end) * 1e3 / 10, out.clone()
 
 
-def sec_decode(r: Report) -> None:
+def tune_decode_attention(r: Report) -> None:
     """Decode attention alone, replayed from CUDA graphs of one launch per layer, per row class
     of the decode graphs: FlashInfer's decode wrapper (a kernel and its split-KV merge) against
     engine/kernels/decode.py, tuned by coordinate descent from its default. The winners are
-    pinned for the rest of the run (the bench measures the engine with them) and written to
-    decode_tuned.json, the table the engine ships for this device."""
+    pinned for the rest of the run and written to OUT/decode_tuned.json, the table the engine
+    ships per device (engine/kernels/)."""
     from dataclasses import replace
     from types import SimpleNamespace
 
     from engine.kernels import decode as D
 
-    bw = r.data.get("copy_bw") or 4.28e12
+    bw = copy_bandwidth(r)
     hq, hk, hd, page, ctx = 16, 8, 128, 16, DECODE_CONTEXT
     group = hq // hk
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, raw = [], {}
     for bs in DECODE_CLASSES:
         if r.left() < 45:
-            r.say(f"(skipped decode batch {bs}: out of time)")
+            r.say(f"(skipped decode attention at batch {bs}: past the deadline)")
             continue
         pages_per = -(-ctx // page)
         num_pages = bs * pages_per + 2

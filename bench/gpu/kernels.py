@@ -1,9 +1,11 @@
-"""kernels: per-kernel breakdown of a decode step at batch 1 and 64 (torch.profiler), eager and
-through the CUDA graphs; run bandwidth first for the GB/s column.
+"""kernels: the fused kernels' tuning tables (kernel_tuning.py), then a decode step's kernels
+at batch 1 and 64 (torch.profiler, through the CUDA graphs) with the fused decode kernels off,
+on without programmatic dependent launch, and on: per class, the time, bytes and GB/s.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import random
 import statistics
@@ -12,19 +14,22 @@ from typing import Any
 
 import torch
 
-from engine import LLM
-from engine.models.kernels import set_unfused
-from instrumentation.sampling import SamplingParams
-from scripts.gpu_check.common import (
+from bench.gpu.common import (
     PROMPT_LEN,
     QWEN_VOCAB,
     UNFUSED,
+    Report,
+    copy_bandwidth,
+    flashinfer_missing,
     free,
     kv_bytes_per_token,
     qwen_engine,
     rand_ids,
 )
-from scripts.gpu_check.report import Report
+from bench.gpu.kernel_tuning import tune_decode_attention, tune_gemv
+from engine import LLM
+from engine.models.kernels import set_unfused
+from instrumentation.sampling import SamplingParams
 
 # -- per-kernel breakdown of a decode step ---------------------------------------------------
 # (class, name substrings), first match wins; names are compared in lower case. Refine them from
@@ -176,10 +181,19 @@ def profile_decode(
     return device_kernels(prof), n, step_ms, ctx
 
 
-def sec_kernels(r: Report) -> None:
+def run(r: Report, args: argparse.Namespace) -> None:
+    tune_gemv(r)
+    if (missing := flashinfer_missing()) is None:
+        tune_decode_attention(r)
+    else:
+        r.say(f"(decode attention against FlashInfer's: not run, {missing})")
+    breakdown(r)
+
+
+def breakdown(r: Report) -> None:
     """Per-kernel breakdown of one decode step (Qwen3-0.6B shape, random bf16 weights, 512-token
-    prompts, page 16) at batch 1 and 64, eager and through the CUDA graphs."""
-    bw = r.data.get("copy_bw")
+    prompts, page 16) at batch 1 and 64, through the CUDA graphs."""
+    bw = copy_bandwidth(r)
     page16: dict[str, Any] = dict(
         max_running_req=64,
         max_seq_len=1024,
@@ -199,7 +213,7 @@ def sec_kernels(r: Report) -> None:
     )
     for mode, unfused in modes:
         if r.left() < 30:
-            r.say(f"(skipped kernels {mode}: out of time)")
+            r.say(f"(skipped kernels {mode}: past the deadline)")
             continue
         set_unfused(unfused)
         llm = qwen_engine(**page16, cuda_graph=True)
@@ -230,7 +244,6 @@ def sec_kernels(r: Report) -> None:
         "time, so idle gaps between kernels are not in it; share: of that sum. gemm bytes: every "
         "2-D weight once (the tied embedding as the LM head); attention bytes: batch x mean "
         "context x K and V per token."
-        + ("" if bw else " No copy bandwidth measured (run the bandwidth section first).")
     )
 
 

@@ -1,6 +1,7 @@
-"""smollm2: the bundled SmolLM2 (if its weights are here): logits vs HF, chunked, backends, and
-the greedy comparison of engine variants against HF.
-"""
+"""The exactness section on real weights: the bundled SmolLM2-135M-Instruct (when its weights
+are here; $SMOLLM2_GGUF converts a copy of its GGUF once). Greedy tokens of engine variants
+against Hugging Face generate on the same weights, logits against Hugging Face, chunked
+against unchunked, FlashInfer against torch attention."""
 
 from __future__ import annotations
 
@@ -14,158 +15,28 @@ from typing import Any
 
 import torch
 
-from engine import LLM
-from engine.checks.greedy import (
-    TIE_NOISE,
-    Trace,
-    tie_margin,
-    trace_run,
-)
-from engine.checks.kernels import gemv_pinned
-from engine.models.kernels import DECODE_KERNELS, set_unfused
-from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf
-from instrumentation.sampling import SamplingParams
-from scripts.gpu_check import common
-from scripts.gpu_check.common import (
+from bench.common import notes_prompts
+from bench.gpu import common
+from bench.gpu.common import Report, flashinfer_missing, free, rand_ids
+from bench.gpu.compare import (
     BACKEND_HEADERS,
     CHUNK_HEADERS,
     CHUNK_PROMPTS,
     LOGITS_HEADERS,
-    bf16_rounded,
     chunk_rows,
     compare_phases,
-    free,
-    hf_logits,
-    notes_prompts,
+    logits_table_rows,
     phase_trace,
-    rand_ids,
 )
-from scripts.gpu_check.logits import logits_table_rows
-from scripts.gpu_check.report import Report
+from bench.gpu.hf import bf16_rounded, hf_logits
+from engine import LLM
+from engine.checks.greedy import TIE_NOISE, Trace, tie_margin, trace_run
+from engine.checks.kernels import gemv_pinned
+from engine.models.kernels import DECODE_KERNELS, set_unfused
+from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf
+from instrumentation.sampling import SamplingParams
 
-
-def smollm2_path() -> Path | None:
-    """The converted SmolLM2 directory, converting $SMOLLM2_GGUF once if given; None when only
-    a tokenizer stub is here."""
-    target = cache_root() / BUNDLED_NAME
-    gguf = os.environ.get("SMOLLM2_GGUF")
-    if gguf and not (target / "model.safetensors").is_file():
-        convert_gguf(Path(gguf), target, progress=False)
-    return target if (target / "model.safetensors").is_file() else None
-
-
-def sec_smollm2(r: Report) -> None:
-    path = smollm2_path()
-    if path is None:
-        r.say("\n### SmolLM2\n\nNot run: the bundled SmolLM2 weights are not on this machine.\n")
-        return
-    from transformers import AutoModelForCausalLM
-
-    def make(**kw: Any) -> LLM:
-        args: dict[str, Any] = dict(
-            model=str(path), device=common.DEV, progress=False, max_running_req=32, num_pages=65536,
-            max_seq_len=2048, cache_type="naive",
-        )  # fmt: skip
-        return LLM(**{**args, **kw})
-
-    llm = make()
-    question = "What is the capital of France?"
-    answer = llm.generate([question], SamplingParams(max_tokens=16), chat=True)[0]["text"]
-    prompts = notes_prompts(llm, CHUNK_PROMPTS)
-    greedy_prompts = [llm.encode(question, chat=True), *prompts[:GREEDY_PROMPTS]]
-    greedy_params = SamplingParams(max_tokens=GREEDY_TOKENS)
-    runs = {GREEDY_VARIANTS[0].name: trace_run(llm, greedy_prompts, greedy_params)}
-    hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    hf32 = hf32.to(common.DEV).eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(common.DEV).eval()
-    for v in GREEDY_VARIANTS[1:]:
-        set_unfused(list(v.unfused))
-        with (
-            gemv_pinned(path, (1,), one_row_gemv())
-            if v.gemv_everywhere
-            else (contextlib.nullcontext())
-        ):
-            try:
-                other = make(**v.llm_args)
-                if other.dtype == torch.float32:  # HF fp32's weights: the bf16-rounded ones
-                    bf16_rounded(other.model)
-                if v.serial:
-                    run = [trace_run(other, [p], greedy_params)[0] for p in greedy_prompts]
-                    r.say(f"{v.name}: the 1-row graph runs {one_row_kernels(other)}.")
-                else:
-                    run = trace_run(other, greedy_prompts, greedy_params)
-                runs[v.name] = run
-                del other
-            finally:
-                set_unfused([])
-        free()
-    summary, detail, graw = greedy_tables(greedy_prompts, runs, hf16, hf32)
-    r.table(
-        f"SmolLM2: greedy tokens against Hugging Face generate on the same weights, the chat "
-        f"question and {GREEDY_PROMPTS} notes prompts, {GREEDY_TOKENS} new tokens (fewer where "
-        "one stops at EOS). Where a run parts from HF fp32's tokens, its inputs are still HF "
-        "fp32's: a near-tie when HF fp32's logits of the two tokens there differ by at most "
-        f"{TIE_NOISE:g}x the RMS of the run's and HF fp32's logit difference at that position "
-        "(the rule of the GPU tests' compare_greedy); a mismatch otherwise",
-        GREEDY_SUMMARY_HEADERS,
-        summary,
-    )
-    r.table(
-        "SmolLM2: per prompt, where each run parts from HF fp32's greedy tokens "
-        "(step: fp32 top-2 gap / RMS logit difference there)",
-        ["prompt", "tokens", *runs, "HF bf16"],
-        detail,
-    )
-    r.data["smollm2_greedy"] = graw
-    if r.smollm2_greedy_only:
-        r.say(f"Greedy chat answer on the GPU to {question!r}: {answer!r}")
-        return
-    rows, raw = logits_table_rows(
-        "SmolLM2-135M-Instruct",
-        make,
-        hf32,
-        hf16,
-        [*prompts[:3], greedy_prompts[0]],
-        hf32.config.vocab_size,
-    )
-    r.table("SmolLM2: logits against Hugging Face on the same (bf16) weights", LOGITS_HEADERS, rows)
-    # the greedy and logits tables first: they are what a run short of time must not lose
-    crow = chunk_rows(llm, prompts, "SmolLM2-135M-Instruct")
-    del llm
-    free()
-    if not r.bench_quick:  # measured in call N (2026-12-01): 32 of 32 the same
-        inv = make(batch_invariant=True)
-        crow += chunk_rows(inv, prompts, "SmolLM2-135M-Instruct, batch-invariant")
-        del inv
-        free()
-    r.say(f"Greedy chat answer on the GPU to {question!r}: {answer!r}")
-    r.table(
-        "SmolLM2: chunked against unchunked prefill (budget 8192), greedy, first 32 tokens of "
-        f"{CHUNK_PROMPTS} chat prompts (150-900 tokens)",
-        CHUNK_HEADERS,
-        crow,
-    )
-    del hf32, hf16
-    free()
-    r.data["smollm2"] = {"logits": raw, "chunked": crow, "answer": answer}
-    if r.bench_quick:
-        return
-    late = rand_ids(700, random.Random(9))
-    a = phase_trace(make(max_running_req=16, num_pages=16384), prompts[:2], late)
-    free()
-    b = phase_trace(
-        make(max_running_req=16, num_pages=16384, attention_backend="torch", cuda_graph=False),
-        prompts[:2],
-        late,
-    )
-    free()
-    brows = [
-        ["SmolLM2-135M-Instruct", ph, len(e), max(e)] for ph, e in compare_phases(b, a).items()
-    ]
-    r.table("SmolLM2: FlashInfer against torch attention inside the engine", BACKEND_HEADERS, brows)
-    r.data["smollm2"] = {"logits": raw, "chunked": crow, "backends": brows, "answer": answer}
-
-
+NAME = "SmolLM2-135M-Instruct"
 GREEDY_PROMPTS, GREEDY_TOKENS = 16, 32  # the chat question and this many notes prompts
 
 
@@ -182,21 +53,140 @@ class GreedyVariant:
 
 # SmolLM2's head shape has no tuned decode table and its matmuls none either, so at 17 rows its
 # graphs run FlashInfer's decode and cuBLAS. One prompt at a time the 1-row graph runs the decode
-# kernel (CUDA cores) and the fused qkv epilogue; with the GEMVs forced on every weight, the
-# norms fold into them as well: all of issue 17's kernels on the real weights.
+# kernel (CUDA cores) and the fused qkv epilogue; with the GEMVs forced on every weight the norms
+# fold into them as well: every fused decode kernel, on real weights.
 FLOAT32 = {"dtype": "float32", "attention_backend": "torch", "cuda_graph": False, "num_pages": 8192}
 GREEDY_VARIANTS = (
     GreedyVariant("default (bf16)"),
-    GreedyVariant("bf16, issue 17's kernels off", unfused=DECODE_KERNELS),
+    GreedyVariant("bf16, fused decode kernels off", unfused=DECODE_KERNELS),
     GreedyVariant("float32 (torch attention)", FLOAT32),
     GreedyVariant("default (bf16), one prompt at a time", serial=True),
-    GreedyVariant(
-        "bf16, one at a time, the GEMVs on every weight", serial=True, gemv_everywhere=True
-    ),
-    GreedyVariant(
-        "bf16, issue 17's kernels off, one at a time", unfused=DECODE_KERNELS, serial=True
-    ),
-)
+    GreedyVariant("bf16, one at a time, the GEMVs on every weight", serial=True,
+                  gemv_everywhere=True),
+    GreedyVariant("bf16, fused decode kernels off, one at a time", unfused=DECODE_KERNELS,
+                  serial=True),
+)  # fmt: skip
+
+
+def smollm2_path() -> Path | None:
+    """The converted SmolLM2 directory, converting $SMOLLM2_GGUF once if given; None when only
+    a tokenizer is here."""
+    target = cache_root() / BUNDLED_NAME
+    gguf = os.environ.get("SMOLLM2_GGUF")
+    if gguf and not (target / "model.safetensors").is_file():
+        convert_gguf(Path(gguf), target, progress=False)
+    return target if (target / "model.safetensors").is_file() else None
+
+
+def run(r: Report) -> None:
+    path = smollm2_path()
+    if path is None:
+        r.say(f"\n### {NAME}\n\nNot run: its weights are not on this machine.\n")
+        return
+    from transformers import AutoModelForCausalLM
+
+    def make(**kw: Any) -> LLM:
+        args: dict[str, Any] = dict(
+            model=str(path), device=common.DEV, progress=False, max_running_req=32, num_pages=65536,
+            max_seq_len=2048, cache_type="naive",
+        )  # fmt: skip
+        return LLM(**{**args, **kw})
+
+    llm = make()
+    question = "What is the capital of France?"
+    answer = llm.generate([question], SamplingParams(max_tokens=16), chat=True)[0]["text"]
+    prompts = notes_prompts(llm, CHUNK_PROMPTS)
+    greedy_prompts = [llm.encode(question, chat=True), *prompts[:GREEDY_PROMPTS]]
+    hf32 = bf16_rounded(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    hf32 = hf32.to(common.DEV).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(common.DEV).eval()
+    greedy(r, llm, make, path, greedy_prompts, hf16, hf32)
+    r.say(f"Greedy chat answer on the GPU to {question!r}: {answer!r}")
+    if r.left() < 90:
+        r.say(f"({NAME}: logits, chunked and backends skipped: past the deadline)")
+        return
+    rows, raw = logits_table_rows(NAME, make, hf32, hf16, [*prompts[:3], greedy_prompts[0]],
+                                  hf32.config.vocab_size)  # fmt: skip
+    r.table(f"{NAME}: logits against Hugging Face on the same (bf16) weights", LOGITS_HEADERS, rows)
+    del hf32, hf16
+    crow = chunk_rows(llm, prompts, NAME)
+    del llm
+    free()
+    inv = make(batch_invariant=True)
+    crow += chunk_rows(inv, prompts, f"{NAME}, batch-invariant")
+    del inv
+    free()
+    r.table(
+        f"{NAME}: chunked against unchunked prefill (budget 8192), greedy, the first 32 tokens "
+        f"of {CHUNK_PROMPTS} chat prompts (150-900 tokens)",
+        CHUNK_HEADERS,
+        crow,
+    )
+    r.data["real_weights"] = {"logits": raw, "chunked": crow, "answer": answer}
+    if flashinfer_missing() is not None or r.left() < 60:
+        return
+    late = rand_ids(700, random.Random(9))
+    a = phase_trace(make(max_running_req=16, num_pages=16384), prompts[:2], late)
+    free()
+    ref = make(max_running_req=16, num_pages=16384, attention_backend="torch", cuda_graph=False)
+    b = phase_trace(ref, prompts[:2], late)
+    del ref
+    free()
+    brows = [[NAME, ph, len(e), max(e)] for ph, e in compare_phases(b, a).items()]
+    r.table(f"{NAME}: FlashInfer against torch attention inside the engine", BACKEND_HEADERS, brows)
+    r.data["real_weights"]["backends"] = brows
+
+
+def greedy(
+    r: Report,
+    llm: LLM,
+    make: Callable[..., LLM],
+    path: Path,
+    prompts: list[list[int]],
+    hf16: Any,
+    hf32: Any,
+) -> None:
+    """Each greedy variant's tokens against Hugging Face generate's: a summary and a detail table."""
+    params = SamplingParams(max_tokens=GREEDY_TOKENS)
+    runs = {GREEDY_VARIANTS[0].name: trace_run(llm, prompts, params)}
+    for v in GREEDY_VARIANTS[1:]:
+        if r.left() < 60:
+            r.say(f"(skipped greedy {v.name}: past the deadline)")
+            continue
+        set_unfused(list(v.unfused))
+        pinned = gemv_pinned(path, (1,), one_row_gemv()) if v.gemv_everywhere else None
+        with pinned or contextlib.nullcontext():
+            try:
+                other = make(**v.llm_args)
+                if other.dtype == torch.float32:  # HF fp32's weights: the bf16-rounded ones
+                    bf16_rounded(other.model)
+                if v.serial:
+                    runs[v.name] = [trace_run(other, [p], params)[0] for p in prompts]
+                    r.say(f"{v.name}: the 1-row graph runs {one_row_kernels(other)}.")
+                else:
+                    runs[v.name] = trace_run(other, prompts, params)
+                del other
+            finally:
+                set_unfused([])
+        free()
+    summary, detail, raw = greedy_tables(prompts, runs, hf16, hf32)
+    r.table(
+        f"{NAME}: greedy tokens against Hugging Face generate on the same weights, the chat "
+        f"question and {GREEDY_PROMPTS} notes prompts, {GREEDY_TOKENS} new tokens (fewer where "
+        "one stops at EOS). Where a run parts from HF fp32's tokens, its inputs are still HF "
+        "fp32's: a near-tie when HF fp32's logits of the two tokens there differ by at most "
+        f"{TIE_NOISE:g}x the RMS of the run's and HF fp32's logit difference at that position "
+        "(the rule of the GPU tests' compare_greedy); a mismatch otherwise",
+        GREEDY_SUMMARY_HEADERS,
+        summary,
+    )
+    r.table(
+        f"{NAME}: per prompt, where each run parts from HF fp32's greedy tokens "
+        "(step: fp32 top-2 gap / RMS logit difference there)",
+        ["prompt", "tokens", *runs, "HF bf16"],
+        detail,
+    )
+    r.data["real_weights_greedy"] = raw
 
 
 def one_row_gemv() -> Any:
@@ -207,7 +197,7 @@ def one_row_gemv() -> Any:
 
 
 def one_row_kernels(llm: LLM) -> str:
-    """Which of issue 17's kernels the engine's 1-row decode graph was captured with."""
+    """Which fused decode kernels the engine's 1-row decode graph was captured with."""
     from engine.kernels import gemv as G
     from engine.models.kernels import device_name, skinny_gemv
 

@@ -1,23 +1,51 @@
-"""syncs: host-device synchronizations per engine step."""
+"""mixed: a mixed step (64 decodes and a 512-token chunk of a long prompt) against the decode
+step alone, with its kernels; and where the host waits for the device during overlapped steps
+of every kind."""
 
 from __future__ import annotations
 
+import argparse
 import random
+import warnings
 from pathlib import Path
 
 import torch
 
+from bench.gpu.chunk import chunk_step, profile_table
+from bench.gpu.common import Report, free, qwen_engine, rand_ids
 from instrumentation.sampling import SamplingParams
-from scripts.gpu_check.common import free, qwen_engine, rand_ids
-from scripts.gpu_check.report import Report
+
+DECODERS, CHUNK = 64, 512
 
 
-def sec_syncs(r: Report) -> None:
+def run(r: Report, args: argparse.Namespace) -> None:
+    llm = qwen_engine(max_extend_tokens=CHUNK + DECODERS, policy="mixed", max_running_req=96,
+                      max_seq_len=8192, cache_type="naive")  # fmt: skip
+    step = chunk_step(llm, DECODERS, CHUNK)
+    del llm
+    free()
+    decode, mixed = step["decode_only_ms"], step["period_ms"]
+    r.table(
+        f"{DECODERS} decodes alone against {DECODERS} decodes + a {CHUNK}-token chunk "
+        "(Qwen3-0.6B shape, policy mixed)",
+        ["decode step ms", "mixed step ms", "mixed / decode", "chunk ms (the difference)",
+         "per chunk token µs", "mixed steps measured"],
+        [[decode, mixed, mixed / decode if decode and mixed else None,
+          mixed - decode if decode and mixed else None,
+          (mixed - decode) / CHUNK * 1e3 if decode and mixed else None, step["steps"]]],
+    )  # fmt: skip
+    profile_table(r, f"A mixed step ({DECODERS} decodes + {CHUNK}-token chunk)", step)
+    r.data["mixed"] = {k: v for k, v in step.items() if k != "profile"} | {
+        "top": step["profile"].top
+    }
+    if r.left() > 30:
+        syncs(r)
+
+
+def syncs(r: Report) -> None:
     """Where the host waits for the device during steps: torch's sync debug mode flags every
     synchronizing call (blocking copies, .item(), ...) made while a workload with prefill, mixed
     and decode steps runs. With overlap, only reading a finished step's tokens should wait."""
-    import warnings
-
     llm = qwen_engine(max_running_req=16, num_pages=4096, policy="mixed", max_extend_tokens=256)
     rng = random.Random(9)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
