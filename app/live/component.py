@@ -124,8 +124,11 @@ def live_charts(
     # component reaches it), so each payload repeats the previous OVERLAP - 1 batches; the
     # browser keeps only the steps it does not hold.
     seen = session.LIVE_SEEN.setdefault()
-    last_n, sent = seen.get(key, (None, []))
-    if pulled.get("n") != last_n:
+    # A pull is told by its view (`m`: a view mounted afresh, as the pause banner makes one,
+    # counts its pulls from 1 again) and its number.
+    tag = (pulled.get("m"), pulled.get("n"))
+    last, sent = seen.get(key, ((None, None), []))
+    if tag != last:
         have = pulled.get("have")
         if not opts.paused:
             feed.hold(store, have, HOLD_S)  # until there is something new to answer with
@@ -136,8 +139,8 @@ def live_charts(
         sent = []
     if not sent or sent[-1] != data.get("id"):
         sent = [*sent, data.get("id")][-OVERLAP:]
-    seen[key] = (pulled.get("n"), sent)
-    data["answer"] = pulled.get("n")  # which pull this answers
+    seen[key] = (tag, sent)
+    data["answer"], data["answer_m"] = pulled.get("n"), pulled.get("m")  # which pull this answers
     if hidden:
         data["hidden"] = True
     policies = session.LIVE_SENT_POLICY.setdefault()

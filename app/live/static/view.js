@@ -46,6 +46,7 @@
         swatch("after a stall (steps ran without the request)", `background:${style.stall};border-radius:50%`));
     } else {
       items.push(swatch("tokens generated, all requests", "border:none;border-top:3px solid #222;height:0;vertical-align:3px"),
+        swatch("each request (its colour)", `border:none;border-top:2px solid ${style.palette[0]};height:0;vertical-align:3px`),
         swatch("a decoding request got no token", `background:${style.stall};opacity:0.3`));
     }
     return items.join("");
@@ -64,6 +65,8 @@
       this.watchdog = null;
       this.inflight = false;
       this.view = "timeline";
+      this.revision = 0; // a new history (cleared, a new engine) starts a new zoom state
+      this.mount = Math.random().toString(36).slice(2); // tells this view's pulls from an earlier one's
       this.style = null;
       this.engine = {};
       this.times = []; // main-thread ms per update, newest last
@@ -108,7 +111,11 @@
       if (data.style) this.style = data.style;
       this.paused = !!data.paused;
       this.xmode = data.xmode || this.xmode || "step";
-      this.windowSteps = data.window || this.windowSteps || 500;
+      // a narrower window (the sidebar's Steps in view) applies at once, even to an idle engine
+      const windowSteps = data.window || this.windowSteps || 500;
+      const narrower = this.windowSteps !== undefined && windowSteps < this.windowSteps;
+      this.windowSteps = windowSteps;
+      if (narrower) this.rec.trim(windowSteps);
       if (data.engine) this.engine = data.engine;
       if (data.captions) this.captions = data.captions;
       this.root.style.display = data.hidden ? "none" : "";
@@ -134,6 +141,9 @@
         if (data.reset) this.rec = new Record();
         applied = this.rec.apply(data, this.windowSteps);
         performance.measure("stepscope-apply", { start, end: performance.now() });
+        // a new history (Clear history, a new engine) is not where the user had zoomed: the
+        // charts autorange to it, and so they do when a reset left nothing in the zoomed range
+        if (applied && data.reset && (data.new_history || this.zoomMissesData())) this.revision++;
         if (applied) {
           this.id = data.id;
           this.updates++;
@@ -151,10 +161,13 @@
           }
           return;
         }
-      } else if (data.id === this.id && (data.xmode !== this.drawnX || this.paused !== this.drawnPaused)) {
-        this.draw();
+      } else if (this.drawnX !== undefined && (narrower || this.xmode !== this.drawnX || this.paused !== this.drawnPaused)) {
+        this.draw(); // the same steps, seen differently (a full run's answer may name an older batch)
       }
       this.answered(data);
+      // mounted afresh while paused (the pause banner moves the charts down the page): this
+      // view holds nothing, and a paused view does not pull; it asks once for the frozen view
+      if (this.paused && !this.static && this.id === null && !this.inflight) { this.pull(true); return; }
       // new data we could not use (it extends what we do not hold): right away, from here;
       // nothing new: a bit later
       const stale = data.steps && !applied;
@@ -162,7 +175,8 @@
     }
 
     answered(data) {
-      if (data.answer !== undefined && data.answer === this.pulls) {
+      const ours = data.answer_m === undefined || data.answer_m === this.mount;
+      if (data.answer !== undefined && data.answer === this.pulls && ours) {
         if (this.inflight) { // the round trip through Streamlit, for the benchmark
           performance.measure("stepscope-pull", { start: this.lastPull, end: performance.now() });
         }
@@ -183,15 +197,27 @@
       this.timer = setTimeout(() => { this.timer = null; this.pull(); }, wait);
     }
 
-    pull() {
-      if (this.paused || this.static) return;
+    // `frozen`: a paused view that holds nothing asks for the frozen view (once, until answered)
+    pull(frozen) {
+      if ((this.paused && !frozen) || this.static || !this.setStateValue) return;
       this.lastPull = performance.now();
       this.pulls++;
       this.inflight = true;
-      this.setStateValue("pull", { have: this.id, n: this.pulls });
+      this.setStateValue("pull", { have: this.id, n: this.pulls, m: this.mount });
       // an answer that never comes (a rerun cut short by another) must not stop the charts
       clearTimeout(this.watchdog);
-      this.watchdog = setTimeout(() => { this.inflight = false; this.pull(); }, 3000);
+      this.watchdog = setTimeout(() => {
+        this.inflight = false;
+        this.pull(this.paused && this.id === null);
+      }, 3000);
+    }
+
+    // whether the timeline is zoomed to where no step held is (after a reset)
+    zoomMissesData() {
+      const gd = this.plots.timeline, full = gd._fullLayout && gd._fullLayout.xaxis;
+      if (!full || full.autorange !== false || gd._stepscopeX !== this.xmode || !this.rec.steps.length) return false;
+      const [i0, i1] = new Axis(this.rec, this.xmode).window(full.range);
+      return i1 <= i0;
     }
 
     draw() {
@@ -207,19 +233,20 @@
         // a user's zoom (kept by uirevision) decides which steps are in view; switching the
         // x axis between steps and time starts a new revision, so the zoom resets with it
         const full = gd._fullLayout && gd._fullLayout.xaxis;
-        const zoomed = full && gd._stepscopeX === this.xmode && full.autorange === false;
+        const zoomed = full && gd._stepscopeX === this.xmode && gd._stepscopeRev === this.revision && full.autorange === false;
         const range = zoomed ? full.range.slice() : null;
         // fixed axes (compare): the common range first, then wherever the user (or the
         // linked view) zoomed: a react with the fixed range again would undo the zoom
         let fixed = this.axes && this.axes[this.xmode];
         if (fixed && range) fixed = Object.assign({}, fixed, { x: range });
         fig = timelineFigure(this.rec, axis, this.style, range, gd.clientWidth || this.el.clientWidth || 1200, fixed);
-        fig.layout.uirevision = "timeline-" + this.xmode;
+        fig.layout.uirevision = "timeline-" + this.xmode + "-" + this.revision;
         gd._stepscopeX = this.xmode;
         this.lod = fig.detail ? "segments" : "totals";
+        this.root.dataset.lanes = fig.lanes.join("/"); // lanes drawn / requests held
       } else if (this.view === "kv") {
         const full = gd._fullLayout && gd._fullLayout.xaxis;
-        const zoomed = full && gd._stepscopeX === this.xmode && full.autorange === false;
+        const zoomed = full && gd._stepscopeX === this.xmode && gd._stepscopeRev === this.revision && full.autorange === false;
         fig = kvFigure(this.rec, axis, this.style, this.engine.page_size || 1, this.whole.checked,
           zoomed ? full.range.slice() : null, gd.clientWidth || this.el.clientWidth || 1200);
         gd._stepscopeX = this.xmode;
@@ -227,7 +254,10 @@
         fig = itlFigure(this.rec, axis, this.style, gd.clientWidth || this.el.clientWidth || 1200);
       } else {
         fig = progressFigure(this.rec, this.style, gd.clientWidth || this.el.clientWidth || 1200);
+        this.root.dataset.lines = fig.lines; // per-request lines drawn
       }
+      if (this.view !== "timeline") fig.layout.uirevision += "-" + this.revision;
+      gd._stepscopeRev = this.revision;
       steadyTicks(fig.layout);
       // an empty trace costs Plotly its defaults and styling all the same (the legend is ours)
       const data = fig.data.filter((tr) => !Array.isArray(tr.x) || tr.x.length > 0);
