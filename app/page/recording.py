@@ -60,11 +60,11 @@ def config_note(step: dict | None) -> str:
 
 
 def player(src: ReplaySource) -> None:
-    """The scrubber follows the replay: it is set from the cursor on every run while playing."""
+    """The scrubber follows the replay: it is set from the cursor on every run (a scrub has
+    moved the cursor to the slider's step already, in its callback)."""
     rec = src.recording
-    if src.playing or session.REPLAY_STEP.get() is None:
-        step = src.current_step
-        session.REPLAY_STEP.set(step if step is not None else rec.first_step)
+    step = src.current_step
+    session.REPLAY_STEP.set(step if step is not None else rec.first_step)
     cols = st.columns([7, 1.2, 2.2])
     if rec.num_steps >= 2:
         cols[0].slider("Step", min_value=rec.first_step, max_value=rec.last_step,

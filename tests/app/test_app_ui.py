@@ -97,9 +97,7 @@ def test_exact_budget_sends_any_value_and_moves_the_slider(app: AppTest, peer: A
 
 
 @pytest.mark.parametrize("typed", ["", "abc", "0", "-5", "2.5"])
-def test_exact_budget_refuses_what_is_not_a_budget(
-    app: AppTest, peer: AppPeer, typed: str
-) -> None:
+def test_exact_budget_refuses_what_is_not_a_budget(app: AppTest, peer: AppPeer, typed: str) -> None:
     """An emptied box or letters are refused with a message, never read as 1; the box shows
     the budget in force again."""
     app.text_input(key="budget_exact").set_value("64").run()
@@ -407,6 +405,31 @@ FAKE_ENGINE = (
     "sys.stdout.write('loading weights:  40%|####      | 2/5\\n'); sys.stdout.flush(); "
     "time.sleep(float(sys.argv[1])); sys.exit(3)"
 )
+
+
+def test_the_page_starts_its_engine_on_a_free_http_port_unless_told() -> None:
+    from app.launcher import engine_argv
+
+    assert engine_argv(8765, "smollm2")[-2:] == ["--http-port", "0"]
+    told = engine_argv(8765, "smollm2", ("--http-port", "8001"))
+    assert told.count("--http-port") == 1 and told[-1] == "8001"
+    assert engine_argv(8765, "smollm2", ("--http-port=none",)).count("--http-port") == 0
+
+
+def test_a_port_the_user_asked_for_that_is_taken_is_said_plainly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    taken = (
+        "import sys; print('stepscope: cannot listen on 127.0.0.1:8000: [Errno 98] Address "
+        "already in use', file=sys.stderr, flush=True); sys.exit(2)"
+    )
+    monkeypatch.setattr("app.launcher.engine_argv", lambda *a, **k: [sys.executable, "-c", taken])
+    with AppPeer() as gone:
+        url = gone.url
+    at = _app(monkeypatch, url, autostart=True)
+    assert settle(at, lambda: any("Port 8000 on 127.0.0.1 is taken" in t for t in texts(at.error)))
+    [said] = [t for t in texts(at.error) if "is taken" in t]
+    assert "--http-port 0" in said and "STEPSCOPE_URL" in said
 
 
 def test_autostart_shows_loading_progress_then_a_dead_engine_and_restart(

@@ -15,7 +15,10 @@ STEPSCOPE_FIRST_MINUTE_MODEL=PATH runs it on another model.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,10 +58,25 @@ WATCH_JS = """(held) => {
 }"""
 
 
+@contextlib.contextmanager
+def port_taken(port: int) -> Iterator[None]:
+    """Hold `port` on loopback, as a vLLM or a second page would (if something already holds
+    it, that is the case tested too)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            pass  # taken already
+        yield
+
+
 def test_the_first_minute_needs_no_click_after_submit(smollm2_dir: Path) -> None:
     # one torch thread, as every engine the tests start: on a busy 2-core machine a second
-    # thread's spinning slowed the engine's load and steps (tests/conftest.py)
-    engine_args = "--device cpu --http-port none --max-extend-tokens 32 --threads 1"
+    # thread's spinning slowed the engine's load and steps (tests/conftest.py). No HTTP port is
+    # given, and 8000 (vLLM's, and the OpenAI API's usual one) is taken: the engine the page
+    # starts for itself must come up all the same
+    engine_args = "--device cpu --max-extend-tokens 32 --threads 1"
     env = {
         "STEPSCOPE_AUTOSTART": "1",
         "STEPSCOPE_MODEL": os.environ.get("STEPSCOPE_FIRST_MINUTE_MODEL") or "smollm2",
@@ -66,6 +84,7 @@ def test_the_first_minute_needs_no_click_after_submit(smollm2_dir: Path) -> None
     }
     expect = sync_api.expect
     with (
+        port_taken(8000),
         running_app(f"ws://127.0.0.1:{free_port()}", **env) as app,
         sync_api.sync_playwright() as pw,
     ):

@@ -1,0 +1,153 @@
+"""What a new user's first hour showed the page getting wrong, each seen again in Debian's
+chromium: a refused form value, a refused budget, the headline of an idle engine, the steps the
+headline covers, a retracted request's stall, and the replay scrubber during playback.
+
+One engine (the tiny random Llama, 600 KV pages, its record written to a trace), one page server
+and one browser serve the module; each test opens its own tab. The replay test runs last: it
+opens the trace the others wrote.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, running_app, running_engine
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="Debian's chromium is not installed at /usr/bin/chromium"
+    ),
+]
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+expect = sync_api.expect
+TIMEOUT_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    trace = tmp_path_factory.mktemp("truth") / "run.jsonl"
+    flags = ("--num-pages", "600", "--max-running-req", "8", "--threads", "1")
+    flags += ("--http-port", "none", "--trace", str(trace))
+    with (
+        running_engine(tiny_llama_dir, *flags) as engine,
+        running_app(engine) as app,
+        sync_api.sync_playwright() as pw,
+    ):
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield {"app": app, "browser": browser, "trace": trace}
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(served: dict) -> Iterator[object]:
+    """A new tab on the page, connected, with Clear history pressed (a fresh record)."""
+    tab = served["browser"].new_page(viewport={"width": 1600, "height": 1300})
+    tab.set_default_timeout(TIMEOUT_MS)
+    expect.set_options(timeout=TIMEOUT_MS)
+    try:
+        with PageLog(tab):
+            tab.goto(served["app"])
+            expect(tab.get_by_text("connected", exact=True)).to_be_visible()
+            tab.get_by_role("button", name="Clear history").click()
+            expect(tab.get_by_text("history cleared")).to_be_visible()
+            yield tab
+    finally:
+        tab.close()
+
+
+def metric(page: object, label: str) -> object:
+    """The headline's metric named `label` (its value and its small line below)."""
+    return page.locator("[data-testid='stMetric']", has_text=label)  # type: ignore[attr-defined]
+
+
+def submit(page: object, prompt: str, max_tokens: int, copies: int = 1) -> None:
+    page.get_by_label("Prompt").fill(prompt)  # type: ignore[attr-defined]
+    page.locator(".st-key-max_tokens input").fill(str(max_tokens))  # type: ignore[attr-defined]
+    page.locator(".st-key-copies input").fill(str(copies))  # type: ignore[attr-defined]
+    page.get_by_role("button", name="Submit").click()  # type: ignore[attr-defined]
+
+
+def test_a_bad_form_value_is_refused_with_a_message(page: object) -> None:
+    """max_tokens 0 used to block Submit with a small red mark, leaving the last green notice."""
+    submit(page, "Hi", 4)
+    expect(page.get_by_text("submitted: request")).to_be_visible()
+    submit(page, "Hi", 0)
+    expect(page.get_by_text("max_tokens must be a whole number ≥ 1.")).to_be_visible()
+    expect(page.get_by_text("submitted: request")).to_have_count(0)
+
+
+def test_an_emptied_or_lettered_budget_box_is_refused(page: object) -> None:
+    """Letters (or an empty box) and Enter used to set the budget to 1."""
+    box = page.locator(".st-key-budget_exact input")  # type: ignore[attr-defined]
+    box.fill("48")
+    box.press("Enter")
+    expect(page.get_by_text("max_extend_tokens=48")).to_be_visible()
+    for typed in ("abc", ""):
+        box.fill(typed)
+        box.press("Enter")
+        expect(page.get_by_text("max_extend_tokens must be").first).to_be_visible()
+        expect(box).to_have_value("48")
+    expect(page.get_by_text("max_extend_tokens=1,")).to_have_count(0)
+
+
+def test_the_headline_covers_the_steps_in_view_and_goes_idle(page: object) -> None:
+    """The headline's steps are the window's (it was always the newest 200), a new window
+    applies while the engine is idle, and once every request ended it says 0 / 0 running and
+    waiting and the pool's pages back (it kept the last step's figures)."""
+    page.get_by_text("ignore EOS").click()  # type: ignore[attr-defined]
+    submit(page, "Count with me.", 160, copies=2)
+    expect(metric(page, "running / waiting")).to_contain_text("0 / 0", timeout=90_000)
+    expect(metric(page, "KV used")).to_contain_text("0.0%")
+    window = page.locator(".st-key-window input[type='range']")  # type: ignore[attr-defined]
+    window.focus()
+    window.press("Home")  # 100 steps in view, with the engine idle
+    expect(page.get_by_text(re.compile(r"over the 100 steps in view"))).to_be_visible()
+
+
+def test_a_retracted_request_is_shown_stalled(page: object) -> None:
+    """Under optimistic admission a request retracted for want of pages waits with its tokens
+    kept: the headline's worst stall names it while it waits (it said "none")."""
+    page.get_by_text("optimistic (SGLang's)").click()  # type: ignore[attr-defined]
+    expect(page.get_by_text("admission=optimistic")).to_be_visible()
+    page.get_by_text("ignore EOS").click()  # type: ignore[attr-defined]
+    submit(page, "Tell me a long story about the sea.", 300, copies=4)
+    stalled = metric(page, "worst stall")
+    expect(stalled).to_contain_text("stalled now", timeout=90_000)
+    expect(stalled).not_to_contain_text("none")
+    page.get_by_text("reserve (the chapter's)").click()  # type: ignore[attr-defined]
+
+
+def test_the_replay_scrubber_follows_playback(page: object, served: dict) -> None:
+    """Playing at 50× from the first step, the slider and its caption move with the charts (the
+    slider stayed put); Pause pauses where it is (it restarted from the first step)."""
+    box = page.locator(".st-key-replay_path input")  # type: ignore[attr-defined]
+    box.fill(str(served["trace"]))
+    box.press("Enter")
+    caption = page.get_by_text(re.compile(r"Replay of `?run\.jsonl`?: step \d+"))  # type: ignore[attr-defined]
+    expect(caption).to_be_visible()
+    thumb = page.locator(".st-key-replay_step input[type='range']")  # type: ignore[attr-defined]
+    thumb.focus()
+    thumb.press("Home")
+    first = int(thumb.get_attribute("min") or thumb.input_value())
+    expect(page.get_by_text(re.compile(rf": step {first} of"))).to_be_visible()
+    speed = page.locator(".st-key-replay_speed input[type='range']")  # type: ignore[attr-defined]
+    speed.focus()
+    speed.press("End")  # 50×
+    page.get_by_role("button", name="Play").click()  # type: ignore[attr-defined]
+    page.wait_for_function(  # type: ignore[attr-defined]
+        "(first) => { const t = document.querySelector(\".st-key-replay_step input[type='range']\");"
+        " return t && Number(t.value) > first + 20; }",
+        arg=first,
+    )
+    page.get_by_role("button", name="Pause").click()  # type: ignore[attr-defined]
+    expect(page.get_by_text(re.compile(r"· (paused|at the end) ·"))).to_be_visible()
+    shown = int(thumb.input_value())
+    expect(page.get_by_text(re.compile(rf": step {shown} of"))).to_be_visible()
+    assert shown > first + 20  # not back at the first step
