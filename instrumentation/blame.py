@@ -20,8 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from instrumentation.delay import Charge, DecodeEstimate, Delay, GapDelay, describe_seconds
+from instrumentation.delay import Delay
 from instrumentation.fold import Fold, Summary
+from instrumentation.step_cost import DecodeEstimate
+from instrumentation.waits import Charge, GapDelay, describe_seconds
 
 __all__ = [
     "Blame",

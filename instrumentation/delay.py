@@ -18,14 +18,15 @@ exactly one part of its `Delay`:
 
 A step's time is its *span*: from the later of its `t0` and the previous step's `t1` to its `t1`
 (with overlap a step is scheduled while the previous one runs; its span is what it added). How a
-span is divided (`StepSplit`):
+span is divided (instrumentation.step_cost):
 
-- the *cost split*: the step's decodes together cost what a decode-only step of as many decodes
-  costs in this run (`DecodeEstimate`, never more than the span), shared equally; the prompt
-  pieces (chunk, prefill, recompute) share the rest by tokens. A request left out of the step
-  (or that arrived while it ran) is charged each piece's cost share.
-- a decode in the step keeps the decode part as `own`; only the rest, what the prompt pieces
-  riding along added, is charged to them.
+- a request left out of the step (or that arrived while it ran) is charged each piece's *cost
+  split* share: the step's decodes together cost what a decode-only step of as many decodes
+  costs in this run (the running median of its decode-only steps of that batch size, never more
+  than the span), shared equally; the prompt pieces (chunk, prefill, recompute) share the rest by
+  tokens.
+- a decode in the step keeps the decode part as `own` (the other decodes are its batch); only
+  the rest, what the prompt pieces riding along added, is charged to them.
 - a prompt piece in the step is charged by tokens (a decode counts one token): its share is
   `own` (or `retracted`), the other pieces' shares go to their requests.
 
@@ -37,34 +38,18 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_left
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from instrumentation.metrics import stalled_between
 from instrumentation.protocol import ENDED_STATES
+from instrumentation.step_cost import DecodeEstimate, StepSplit, split_step
+from instrumentation.waits import HOST, OWN_DECODE, GapDelay, Key, WaitLog
 
-__all__ = [
-    "Charge",
-    "DecodeEstimate",
-    "Delay",
-    "DelayLedger",
-    "GapDelay",
-    "StepSplit",
-    "TokenWait",
-    "delays_of",
-    "describe_seconds",
-]
+__all__ = ["Delay", "DelayLedger", "TokenWait", "delays_of"]
 
 Message = dict[str, Any]
-PROMPT_KINDS = frozenset(("chunk", "prefill", "recompute"))
-# the waiting reason of a stream that names none (recordings from before protocol v1.3)
-UNKNOWN_REASON = "unknown"
-# decode-only samples kept per batch-size bucket: recent enough to follow a change of load
-_SAMPLES = 64
 
 
 @dataclass(slots=True)
@@ -96,9 +81,13 @@ class Delay:
     def absorb(self, other: Delay) -> None:
         """Add `other` and empty it (no new objects: this runs once per token)."""
         self.own += other.own
-        self.retracted += other.retracted
-        self.host += other.host
-        other.own = other.retracted = other.host = 0.0
+        other.own = 0.0
+        if other.host:
+            self.host += other.host
+            other.host = 0.0
+        if other.retracted:
+            self.retracted += other.retracted
+            other.retracted = 0.0
         if other.queue:
             for reason, s in other.queue.items():
                 self.queue[reason] = self.queue.get(reason, 0.0) + s
@@ -140,258 +129,6 @@ class Delay:
         )
 
 
-class DecodeEstimate:
-    """What a decode-only step of `b` decodes costs in this run: the running median of the last
-    spans of decode-only steps in its batch-size bucket; between known buckets interpolated
-    linearly, beyond them a least-squares line (slope at least 0) over the buckets' medians.
-    None before any decode-only step. Fed in step order, so every consumer of one stream gets
-    the same estimates."""
-
-    def __init__(self) -> None:
-        self._samples: dict[int, deque[tuple[int, float]]] = {}
-        self._medians: dict[int, tuple[float, float]] = {}  # bucket -> (its batch size, median)
-
-    @staticmethod
-    def bucket(b: int) -> int:
-        # exact up to 16 decodes, then quarter-octaves (about 19% apart)
-        return b if b <= 16 else 16 + round(4 * math.log2(b / 16))
-
-    def add(self, b: int, seconds: float) -> None:
-        key = self.bucket(b)
-        q = self._samples.get(key)
-        if q is None:
-            q = self._samples[key] = deque(maxlen=_SAMPLES)
-        q.append((b, seconds))
-        self._medians.pop(key, None)
-
-    def _median(self, key: int) -> tuple[float, float]:
-        m = self._medians.get(key)
-        if m is None:
-            q = self._samples[key]
-            sizes = sorted(s for s, _ in q)
-            spans = sorted(d for _, d in q)
-            m = self._medians[key] = (float(sizes[len(sizes) // 2]), _mid(spans))
-        return m
-
-    def __call__(self, b: int) -> float | None:
-        if not self._samples:
-            return None
-        key = self.bucket(b)
-        if key in self._samples:
-            return self._median(key)[1]
-        points = sorted(self._median(k) for k in self._samples)
-        i = bisect_left(points, (float(b), -math.inf))
-        if 0 < i < len(points):
-            (b0, d0), (b1, d1) = points[i - 1], points[i]
-            return d0 + (d1 - d0) * (b - b0) / (b1 - b0) if b1 > b0 else d0
-        return _line(points, b)
-
-
-def _mid(xs: list[float]) -> float:
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
-def _line(points: list[tuple[float, float]], b: int) -> float:
-    if len(points) == 1:
-        return points[0][1]
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    sxx = sum((p[0] - mx) ** 2 for p in points)
-    slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in points) / sxx) if sxx else 0.0
-    return max(0.0, my + slope * (b - mx))
-
-
-@dataclass(slots=True)
-class StepSplit:
-    """One step as the ledger divides it. `span` is its time (see the module doc), `host` the
-    time before it when no step ran; `cost` each request's cost share of the span, `decode_part`
-    what its decodes together cost (the rest is its prompt pieces')."""
-
-    step: int
-    t0: float
-    t1: float
-    start: float  # where its span starts: max(t0, the previous step's t1)
-    span: float
-    items: dict[int, tuple[str, int, int]]  # uid -> (kind, start, end)
-    decodes: int
-    prompt_tokens: int
-    decode_part: float
-    cost: dict[int, float]
-    retracted: frozenset[int]
-    reason: str
-    _tokens: dict[int, float] | None = None
-
-    @property
-    def prompt_part(self) -> float:
-        return self.span - self.decode_part
-
-    def token_share(self) -> dict[int, float]:
-        """The span by tokens (a decode counts one): how a prompt piece in it is charged."""
-        if self._tokens is None:
-            n = self.prompt_tokens + self.decodes
-            self._tokens = {
-                u: self.span * _tokens(k, a, b) / n for u, (k, a, b) in self.items.items()
-            }
-        return self._tokens
-
-
-def _tokens(kind: str, start: int, end: int) -> int:
-    return 1 if kind == "decode" else max(1, end - start)
-
-
-def split_step(step: Message, prev_t1: float | None, estimate: DecodeEstimate) -> StepSplit:
-    """Divide one `step` message (see `StepSplit`); `prev_t1` is the previous step's `t1`."""
-    t0, t1 = float(step["t0"]), float(step["t1"])
-    start = t0 if prev_t1 is None else max(t0, prev_t1)
-    span = max(0.0, t1 - start)
-    items: dict[int, tuple[str, int, int]] = {}
-    decodes = prompt = 0
-    for it in step.get("items") or ():
-        if not isinstance(it, dict) or "uid" not in it:
-            continue
-        kind, a, b = it.get("kind", "decode"), int(it.get("start", 0)), int(it.get("end", 1))
-        items[int(it["uid"])] = (kind, a, b)
-        if kind == "decode":
-            decodes += 1
-        else:
-            prompt += max(1, b - a)
-    if not prompt:
-        decode_part = span
-    elif not decodes:
-        decode_part = 0.0
-    else:
-        est = estimate(decodes)
-        if est is None:  # no decode-only step yet: by tokens
-            est = span * decodes / (decodes + prompt)
-        decode_part = min(span, est)
-    cost: dict[int, float] = {}
-    rest = span - decode_part
-    for uid, (kind, a, b) in items.items():
-        if kind == "decode":
-            cost[uid] = decode_part / decodes
-        else:
-            cost[uid] = rest * max(1, b - a) / prompt
-    queue = step.get("queue") or {}
-    return StepSplit(
-        step=int(step.get("step", -1)),
-        t0=t0,
-        t1=t1,
-        start=start,
-        span=span,
-        items=items,
-        decodes=decodes,
-        prompt_tokens=prompt,
-        decode_part=decode_part,
-        cost=cost,
-        retracted=frozenset(int(u) for u in step.get("retracted") or ()),
-        reason=queue.get("waiting_reason") or UNKNOWN_REASON,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Charge:
-    """Seconds of one request's wait charged to one cause over a run of consecutive steps
-    `first_step` .. `last_step`. `part` is a Delay part; `reason` the waiting reason (queue),
-    `uid` the other request (by), `kind` the work (`prompt`, `recompute`, `decode`) and
-    `start`:`end` its token range, where the work was a prompt or a recompute."""
-
-    part: str
-    seconds: float
-    first_step: int
-    last_step: int
-    steps: int
-    reason: str | None = None
-    uid: int | None = None
-    kind: str | None = None
-    start: int | None = None
-    end: int | None = None
-
-    def what(self) -> str:
-        """The cause in words: "request 9's prompt [512:768]", "own decode", "waiting (kv)"."""
-        span = f" [{self.start}:{self.end}]" if self.start is not None else ""
-        if self.part == "by":
-            return f"request {self.uid}'s {self.kind}{span}"
-        if self.part == "queue":
-            return f"waiting ({self.reason})"
-        if self.part == "host":
-            return "between steps"
-        if self.part == "retracted":
-            return f"own recompute{span}"
-        return f"own {self.kind}{span}"
-
-    def describe(self) -> str:
-        """E.g. "31 ms request 9's prompt [512:768] in steps 812–814"."""
-        if self.first_step == self.last_step:
-            steps = f"step {self.first_step}"
-        elif self.steps == self.last_step - self.first_step + 1:
-            steps = f"steps {self.first_step}–{self.last_step}"
-        else:
-            steps = f"{self.steps} steps in {self.first_step}–{self.last_step}"
-        return f"{describe_seconds(self.seconds)} {self.what()} in {steps}"
-
-
-@dataclass(frozen=True, slots=True)
-class GapDelay:
-    """The wait before one of a request's tokens (`index` 0: queued to its first token), by
-    cause. `stall`: a step ran without it in between (instrumentation.metrics); `ongoing`: no
-    token yet ends it (the request is still waiting for it)."""
-
-    uid: int
-    index: int
-    t_start: float
-    t_end: float
-    first_step: int | None
-    last_step: int | None
-    stall: bool
-    ongoing: bool
-    charges: tuple[Charge, ...]
-
-    @property
-    def seconds(self) -> float:
-        return self.t_end - self.t_start
-
-    @property
-    def waited(self) -> float:
-        """Of it, the seconds spent waiting for admission."""
-        return sum(c.seconds for c in self.charges if c.part == "queue")
-
-    def causes(self) -> list[Charge]:
-        """One Charge per cause (its runs added up), largest first."""
-        runs: dict[tuple, list[Charge]] = {}
-        for c in self.charges:
-            runs.setdefault((c.part, c.reason, c.uid, c.kind), []).append(c)
-        return sorted((_merged(rs) for rs in runs.values()), key=lambda c: -c.seconds)
-
-    def main(self) -> Charge | None:
-        """The largest cause, every run of it added up."""
-        causes = self.causes()
-        return causes[0] if causes else None
-
-    def describe(self) -> str:
-        """E.g. "38 ms: 31 ms request 9's prompt [512:768] in steps 812–814, 7 ms own decode
-        in step 815"."""
-        parts = sorted(self.charges, key=lambda c: -c.seconds)
-        text = ", ".join(c.describe() for c in parts if c.seconds > 0) or "nothing"
-        return f"{describe_seconds(self.seconds)}: {text}"
-
-
-def _merged(runs: list[Charge]) -> Charge:
-    c = runs[0]
-    starts = [r.start for r in runs if r.start is not None]
-    ends = [r.end for r in runs if r.end is not None]
-    return Charge(
-        c.part, sum(r.seconds for r in runs), min(r.first_step for r in runs),
-        max(r.last_step for r in runs), sum(r.steps for r in runs), c.reason, c.uid, c.kind,
-        min(starts) if starts else None, max(ends) if ends else None,
-    )  # fmt: skip
-
-
-def describe_seconds(s: float) -> str:
-    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
-
-
 @dataclass(frozen=True, slots=True)
 class TokenWait:
     """What the ledger tells `on_token`: the wait before token `index` of request `uid`, by
@@ -405,71 +142,27 @@ class TokenWait:
     by_prompt: float
 
 
-class _Run:
-    """A Charge being built: extended while the same cause recurs in consecutive steps."""
-
-    __slots__ = ("key", "seconds", "first", "last", "steps", "start", "end")
-
-    def __init__(self, key: tuple, step: int, seconds: float, rng: tuple[int, int] | None) -> None:
-        self.key, self.seconds, self.first, self.last, self.steps = key, seconds, step, step, 1
-        self.start, self.end = rng if rng is not None else (None, None)
-
-    def charge(self) -> Charge:
-        part, reason, uid, kind = self.key
-        return Charge(part, self.seconds, self.first, self.last, self.steps, reason, uid, kind,
-                      self.start, self.end)  # fmt: skip
-
-
 class _Req:
-    """The ledger's state of one request in flight."""
+    """The ledger's state of one request in flight: `done` up to its last token, `pending`
+    since (or since it was queued), `cursor` how far its lifetime has been charged."""
 
-    __slots__ = (
-        "uid", "t_queued", "cursor", "running", "done", "pending", "by_prompt", "tokens",
-        "t_last", "step_last", "runs", "open", "gaps", "first_step",
-    )  # fmt: skip
+    __slots__ = ("uid", "t_queued", "cursor", "running", "done", "pending", "by_prompt",
+                 "tokens", "t_last", "step_last", "log")  # fmt: skip
 
     def __init__(self, uid: int, t_queued: float, detail: bool) -> None:
         self.uid, self.t_queued, self.cursor = uid, t_queued, t_queued
-        self.running = False
-        self.done = Delay()  # up to its last token
-        self.pending = Delay()  # since its last token (or queued)
+        self.running = False  # admitted (in a step since it was queued or retracted)
+        self.done = Delay()
+        self.pending = Delay()
         self.by_prompt = 0.0  # of `pending.by`, the seconds from others' prompt work
         self.tokens = 0
         self.t_last = t_queued
         self.step_last: int | None = None
-        self.first_step: int | None = None
-        self.runs: list[_Run] | None = [] if detail else None
-        self.open: dict[tuple, _Run] = {}
-        self.gaps: list[GapDelay] = []
-
-    def note(self, key: tuple, step: int, seconds: float, rng: tuple[int, int] | None) -> None:
-        """Detail: `seconds` of this gap went to `key` in `step`."""
-        if self.first_step is None:
-            self.first_step = step
-        run = self.open.get(key)
-        if run is not None and run.last >= step - 1:
-            run.seconds += seconds
-            run.steps += run.last != step
-            run.last = step
-            if rng is not None:
-                run.start = rng[0] if run.start is None else min(run.start, rng[0])
-                run.end = rng[1] if run.end is None else max(run.end, rng[1])
-            return
-        run = self.open[key] = _Run(key, step, seconds, rng)
-        self.runs.append(run)  # type: ignore[union-attr]
-
-    def close_gap(self, t_end: float, step: int | None, ongoing: bool) -> GapDelay:
-        stall = (
-            self.tokens > 0 and not ongoing and self.step_last is not None and step is not None
-            and stalled_between(self.step_last, step)
-        )  # fmt: skip
-        charges = tuple(r.charge() for r in self.runs or ())
-        return GapDelay(self.uid, self.tokens, self.t_last, t_end, self.first_step, step,
-                        stall, ongoing, charges)  # fmt: skip
+        self.log: WaitLog | None = WaitLog(uid) if detail else None
 
 
 def _is_time(t: object) -> bool:
-    return isinstance(t, int | float) and not isinstance(t, bool)
+    return type(t) is float or type(t) is int
 
 
 def _work(kind: str) -> str:
@@ -480,10 +173,10 @@ class DelayLedger:
     """Feed it every message of a stream, in order (`apply`); it names each request's delay.
 
     `apply` returns a request's final `Delay` when the message ends it (`finished`, `aborted`,
-    `rejected`). `delay(uid)` is a request's delay so far. With `detail`, each request also keeps
-    its `GapDelay`s (`gaps(uid)`), the wait before each of its tokens by cause and step, until it
-    ends (the fold keeps them with its record); without, the ledger keeps a few numbers per
-    request in flight. `on_token` is called with each token's `TokenWait`.
+    `rejected`); `delay(uid)` is one in flight's so far. With `detail`, each request also keeps
+    its waits token by token (`gaps(uid)`, instrumentation.waits), handed over when it ends
+    (`pop_gaps`); without, a few numbers per request in flight. `on_token` is called with each
+    token's `TokenWait`.
     """
 
     def __init__(
@@ -491,34 +184,35 @@ class DelayLedger:
     ) -> None:
         self.detail = detail
         self.on_token = on_token
+        self.reset()
+
+    def reset(self) -> None:
         self.estimate = DecodeEstimate()
         self.live: dict[int, _Req] = {}
         self.last: StepSplit | None = None
         self._step: int | None = None  # the step the next token messages belong to
-        self.ended_gaps: dict[int, list[GapDelay]] = {}  # detail: popped by the fold at the end
-
-    def reset(self) -> None:
-        self.__init__(detail=self.detail, on_token=self.on_token)  # type: ignore[misc]
+        self._ended: dict[int, list[GapDelay]] = {}
 
     # -- folding ---------------------------------------------------------------------------
     def apply(self, msg: Message) -> Delay | None:
-        """Fold one message; a message that is not the protocol's (no times, no uid) is let
-        through untouched: the publisher runs this on everything it sends."""
+        """Fold one message; one that is not the protocol's (no times, no uid) is let through
+        untouched: the publisher runs this on everything it sends."""
         kind = msg.get("type")
-        if kind == "step":
+        if kind == "token":  # the most frequent: a request not in flight here costs one lookup
+            r = self.live.get(msg.get("uid"))  # type: ignore[arg-type]
+            if r is not None and _is_time(msg.get("t")):
+                self._token(r, msg["t"])
+        elif kind == "step":
             if _is_time(msg.get("t0")) and _is_time(msg.get("t1")):
                 self.on_step(msg)
-        elif kind == "token":
-            if isinstance(msg.get("uid"), int) and _is_time(msg.get("t")):
-                self.on_token_msg(msg)
         elif kind == "request":
-            if isinstance(msg.get("uid"), int):
+            if type(msg.get("uid")) is int:
                 return self.on_request(msg)
         elif kind == "hello":
             self.reset()
             for step in (msg.get("history") or {}).get("steps") or ():
                 if _is_time(step.get("t0")) and _is_time(step.get("t1")):
-                    self.on_step(step)  # no request to charge: the estimate learns the run's steps
+                    self.on_step(step)  # nothing to charge: the estimate learns the run's steps
         return None
 
     def annotate(self, msg: Message) -> bool:
@@ -530,36 +224,79 @@ class DelayLedger:
         return True
 
     def on_step(self, msg: Message) -> None:
-        prev = self.last
-        sp = split_step(msg, None if prev is None else prev.t1, self.estimate)
+        sp = split_step(msg, None if self.last is None else self.last.t1, self.estimate)
+        n, t0, t1, start, span = sp.step, sp.t0, sp.t1, sp.start, sp.span
+        items, retracted, pure = sp.items, sp.retracted, not sp.prompt_tokens
+        queue_key: Key = ("queue", sp.reason, None, None)
         for r in self.live.values():
-            self._charge(r, sp)
-        if sp.decodes and not sp.prompt_tokens:
-            self.estimate.add(sp.decodes, sp.span)
+            c = r.cursor
+            if c >= t1:
+                continue
+            p = r.pending
+            if c < start:  # nothing ran between its last step (or its arrival) and this one
+                p.host += start - c
+                if r.log is not None:
+                    r.log.note(HOST, n, start - c)
+                c = start
+            portion = t1 - c
+            r.cursor = t1
+            item = items.get(r.uid)
+            if item is None and retracted and r.uid in retracted:
+                r.running = False
+            if portion <= 0:  # a step of no time (a clock's tick)
+                r.running = r.running or item is not None
+                continue
+            if item is None:
+                if not r.running and r.t_queued <= t0:  # in the queue when it was scheduled
+                    q = p.queue
+                    q[sp.reason] = q.get(sp.reason, 0.0) + portion
+                    if r.log is not None:
+                        r.log.note(queue_key, n, portion)
+                else:  # admitted but left out, or arrived after it was scheduled
+                    self._by(r, sp, sp.cost(), portion / span, None, False)
+                continue
+            r.running = True
+            if item["kind"] == "decode":
+                if pure:  # the common step: its decode, batched with others
+                    p.own += portion
+                    if r.log is not None:
+                        r.log.note(OWN_DECODE, n, portion)
+                    continue
+                f = portion / span
+                p.own += sp.decode_part * f
+                if r.log is not None:
+                    r.log.note(OWN_DECODE, n, sp.decode_part * f)
+                # the other decodes are its batch: only the prompt pieces are others' work
+                self._by(r, sp, sp.cost(), f, r.uid, True)
+                continue
+            self._in_prompt(r, sp, item, portion / span)
+        if sp.decodes and pure:
+            self.estimate.add(sp.decodes, span)
         self.last = sp
-        self._step = sp.step
+        self._step = n
 
-    def on_token_msg(self, msg: Message) -> None:
-        r = self.live.get(int(msg["uid"]))
-        if r is None:
-            return
-        t = float(msg["t"])
+    def _token(self, r: _Req, t: float) -> None:
+        p = r.pending
         if self.on_token is not None:
-            self.on_token(TokenWait(r.uid, r.tokens, t - r.t_last, r.pending.copy(), r.by_prompt))
-        if r.runs is not None:
-            r.gaps.append(r.close_gap(t, self._step, False))
-            r.runs, r.open, r.first_step = [], {}, None
-        r.done.absorb(r.pending)
+            self.on_token(TokenWait(r.uid, r.tokens, t - r.t_last, p.copy(), r.by_prompt))
+        if r.log is not None:
+            stall = (
+                r.step_last is not None
+                and self._step is not None
+                and stalled_between(r.step_last, self._step)
+            )
+            r.log.close(r.t_last, t, self._step, stall)
+        r.done.absorb(p)
         r.by_prompt = 0.0
         r.tokens += 1
         r.t_last, r.step_last = t, self._step
 
     def on_request(self, msg: Message) -> Delay | None:
-        uid, event = int(msg["uid"]), msg.get("event")
+        uid, event = msg["uid"], msg.get("event")
         if event == "queued":
             t = msg.get("t")
-            if isinstance(t, int | float) and uid not in self.live:
-                r = self.live[uid] = _Req(uid, float(t), self.detail)
+            if _is_time(t) and uid not in self.live:
+                r = self.live[uid] = _Req(uid, float(t), self.detail)  # type: ignore[arg-type]
                 if self.last is not None and r.cursor < self.last.t1:
                     self._arrived_during(r, self.last)
             return None
@@ -568,20 +305,16 @@ class DelayLedger:
         r = self.live.pop(uid, None)
         if r is None:
             return None
-        delay = r.done.copy() if r.tokens else Delay()
+        delay = r.done
         if not r.tokens:  # ended before a token: covered up to its last step
             delay.add(r.pending)
-        if r.runs is not None:
-            if r.runs and not r.tokens:
-                r.gaps.append(r.close_gap(r.cursor, self._step, True))
-            self.ended_gaps[uid] = r.gaps
+        if r.log is not None:
+            if not r.tokens and r.log.runs:
+                r.log.close(r.t_last, r.cursor, self._step, False, ongoing=True)
+            self._ended[uid] = r.log.gaps()
         return delay
 
     # -- reading -------------------------------------------------------------------------
-    def pop_gaps(self, uid: int) -> list[GapDelay]:
-        """Detail: an ended request's waits, handed over (the ledger forgets them)."""
-        return self.ended_gaps.pop(uid, [])
-
     def delay(self, uid: int) -> Delay | None:
         """A request in flight: its delay so far, up to the last step (its current wait
         included)."""
@@ -596,95 +329,65 @@ class DelayLedger:
         """Detail: the request's waits token by token, the current one last (`ongoing`)."""
         r = self.live.get(uid)
         if r is None:
-            return list(self.ended_gaps.get(uid, ()))
-        out = list(r.gaps)
-        if r.runs:
-            out.append(r.close_gap(r.cursor, self._step, True))
-        return out
+            return list(self._ended.get(uid, ()))
+        if r.log is None:
+            return []
+        return r.log.gaps((r.t_last, r.cursor, self._step))
+
+    def pop_gaps(self, uid: int) -> list[GapDelay]:
+        """Detail: an ended request's waits, handed over (the ledger forgets them)."""
+        return self._ended.pop(uid, [])
 
     # -- charging ------------------------------------------------------------------------
     def _arrived_during(self, r: _Req, sp: StepSplit) -> None:
         """Queued while step `sp` ran (with overlap, after it was scheduled): it waits for that
         step's work."""
         portion = sp.t1 - r.cursor
-        inside = min(portion, sp.t1 - sp.start)
+        inside = min(portion, sp.span)
         if portion > inside:  # before that step's span: no step ran
-            self._add(r, ("host", None, None, None), sp.step, portion - inside, None)
-        if inside > 0 and sp.span > 0:
-            self._by(r, sp, sp.cost, inside / sp.span, skip=None)
+            r.pending.host += portion - inside
+            if r.log is not None:
+                r.log.note(HOST, sp.step, portion - inside)
+        if inside > 0:
+            self._by(r, sp, sp.cost(), inside / sp.span, None, False)
         r.cursor = sp.t1
 
-    def _charge(self, r: _Req, sp: StepSplit) -> None:
-        c = r.cursor
-        if sp.t0 > c:  # nothing ran between its previous step (or its arrival) and this one
-            self._add(r, ("host", None, None, None), sp.step, sp.t0 - c, None)
-            c = sp.t0
-        portion = sp.t1 - max(c, sp.start)
-        if sp.start > c:  # cannot happen on one clock; kept whole by charging it to host
-            self._add(r, ("host", None, None, None), sp.step, sp.start - c, None)
-        r.cursor = max(c, sp.t1)
-        uid = r.uid
-        item = sp.items.get(uid)
-        if item is not None:
-            r.running = True
-        elif uid in sp.retracted:
-            r.running = False
-        if portion <= 0 or sp.span <= 0:
-            return
-        f = portion / sp.span
-        if item is not None:
-            kind, a, b = item
-            if kind == "decode":
-                own = sp.decode_part * f
-                self._add(r, ("own", None, None, "decode"), sp.step, own, None)
-                if (
-                    sp.prompt_tokens
-                ):  # the other decodes are its batch: only the prompts are others'
-                    self._by(r, sp, sp.cost, f, skip=uid, prompts_only=True)
-                return
-            share = sp.token_share()
+    def _in_prompt(self, r: _Req, sp: StepSplit, item: Message, f: float) -> None:
+        """A prompt piece of its own in the step: charged by tokens."""
+        share = sp.token_share()
+        s = share[r.uid] * f
+        kind = item["kind"]
+        if kind == "recompute":
+            r.pending.retracted += s
+        else:
+            r.pending.own += s
+        if r.log is not None:
             part = "retracted" if kind == "recompute" else "own"
-            self._add(r, (part, None, None, _work(kind)), sp.step, share[uid] * f, (a, b))
-            self._by(r, sp, share, f, skip=uid)
-            return
-        if not r.running and r.t_queued <= sp.t0:  # in the queue when the step was scheduled
-            self._add(r, ("queue", sp.reason, None, None), sp.step, portion, None)
-            return
-        # admitted but left out of the step, or arrived after it was scheduled
-        self._by(r, sp, sp.cost, f, skip=None)
+            r.log.note((part, None, None, _work(kind)), sp.step, s, item["start"], item["end"])
+        self._by(r, sp, share, f, r.uid, False)
 
     def _by(self, r: _Req, sp: StepSplit, shares: dict[int, float], f: float,
-            skip: int | None, prompts_only: bool = False) -> None:  # fmt: skip
+            skip: int | None, prompts_only: bool) -> None:  # fmt: skip
         by = r.pending.by
+        items = sp.items
         for u, s in shares.items():
             if u == skip or s <= 0:
                 continue
-            kind, a, b = sp.items[u]
+            item = items[u]
+            kind = item["kind"]
             if kind == "decode":
                 if prompts_only:
                     continue
-            else:
-                r.by_prompt += s * f
             s *= f
+            if kind != "decode":
+                r.by_prompt += s
             by[u] = by.get(u, 0.0) + s
-            if r.runs is not None:
+            if r.log is not None:
                 work = _work(kind)
-                r.note(("by", None, u, work), sp.step, s, None if work == "decode" else (a, b))
-
-    def _add(self, r: _Req, key: tuple, step: int, seconds: float,
-             rng: tuple[int, int] | None) -> None:  # fmt: skip
-        part = key[0]
-        p = r.pending
-        if part == "own":
-            p.own += seconds
-        elif part == "queue":
-            p.queue[key[1]] = p.queue.get(key[1], 0.0) + seconds
-        elif part == "host":
-            p.host += seconds
-        else:
-            p.retracted += seconds
-        if r.runs is not None:
-            r.note(key, step, seconds, None if key[3] == "decode" else rng)
+                if work == "decode":
+                    r.log.note(("by", None, u, work), sp.step, s)
+                else:
+                    r.log.note(("by", None, u, work), sp.step, s, item["start"], item["end"])
 
 
 def delays_of(messages: Iterable[Message], *, recompute: bool = True) -> dict[int, Delay]:

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from instrumentation.delay import Delay, DelayLedger, GapDelay
+from instrumentation.delay import Delay, DelayLedger
 from instrumentation.metrics import gaps, percentile, request_metrics
 from instrumentation.protocol import (
     BROADCAST_TYPES,
@@ -47,6 +47,7 @@ from instrumentation.steps import (  # noqa: F401 (the step readers, importable 
     step_tokens,
     token_steps,
 )
+from instrumentation.waits import GapDelay
 
 __all__ = [
     "ENDED_STATES",

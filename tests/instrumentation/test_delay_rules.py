@@ -17,8 +17,9 @@ from instrumentation.blame import (
     who_delayed_whom,
     worst_stall_cause,
 )
-from instrumentation.delay import DecodeEstimate, Delay, DelayLedger, delays_of
+from instrumentation.delay import Delay, DelayLedger, delays_of
 from instrumentation.fold import Fold
+from instrumentation.step_cost import DecodeEstimate
 
 Msg = dict[str, Any]
 
