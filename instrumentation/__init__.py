@@ -9,5 +9,6 @@ PROTOCOL_VERSION = 1
 # v1.2: `max_stall_seconds` is the protocol's stall everywhere, `max_itl_seconds` the longest gap;
 # v1.3: admission modes and retraction (`retracted` events, `recompute` items, waiting reasons);
 # v1.4: logprobs on `token` and `first_token`, the figures of an `aborted` request, and
-# `prefill_time_seconds`, `decode_time_seconds`, `inference_time_seconds`
-PROTOCOL_MINOR = 4
+# `prefill_time_seconds`, `decode_time_seconds`, `inference_time_seconds`;
+# v1.5: `delay` on end events and ended request records (who delayed each request, and why)
+PROTOCOL_MINOR = 5

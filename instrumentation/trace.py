@@ -79,7 +79,8 @@ class _ChromeTrace:
         self.waiting: set[int] = set()  # queued, not yet in a step
         self.steps = 0
         self.engine_name = "engine"
-        self.fold = Fold(max_steps=None, max_ended=2**62, max_ended_bytes=2**62)
+        # with its own delay ledger: a recording made before `delay` (v1.5) gets it too
+        self.fold = Fold(max_steps=None, max_ended=2**62, max_ended_bytes=2**62, delays=True)
 
     def add(self, msg: Message) -> None:
         kind = msg.get("type")
@@ -148,6 +149,8 @@ class _ChromeTrace:
             metrics = rec.metrics() if rec is not None else None
             if metrics:  # the fold's figures, as the page and the summary compute them
                 args.update({k: v for k, v in metrics.items() if not isinstance(v, list)})
+            if rec is not None and rec.delay is not None:
+                args["delay"] = rec.delay.to_dict()
         if event != "queued":
             self.events.append(_instant(event, t, REQUESTS_PID, uid, args, "t"))
 
