@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         Report,
         environment,
         flashinfer_missing,
+        free,
         jit_warmup,
     )
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             tb = traceback.format_exc()
             print(tb, flush=True)
             r.say(f"\n### {name}: FAILED\n\n```\n{tb[-2500:]}\n```\n")
+        free()  # what the section left behind goes back to the device before the next
         r.data.setdefault("section_s", {})[name] = time.perf_counter() - t
         r.save()
     r.say(f"\nTotal {r.elapsed():.0f} s; tables in {args.out / 'bench_gpu.md'}.")

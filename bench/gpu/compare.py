@@ -78,11 +78,11 @@ def backend_rows(name: str, make: Callable[..., LLM], vocab: int, seed: int) -> 
         [rand_ids(100, rng, vocab), rand_ids(150, rng, vocab)],
         rand_ids(700, rng, vocab),
     )
-    fi = make(max_running_req=16, num_pages=16384)
+    fi = make(max_running_req=16)
     a = phase_trace(fi, prompts, late)
     del fi
     free()
-    ref = make(max_running_req=16, num_pages=16384, attention_backend="torch", cuda_graph=False)
+    ref = make(max_running_req=16, attention_backend="torch", cuda_graph=False)
     b = phase_trace(ref, prompts, late)
     del ref
     free()

@@ -38,6 +38,10 @@ from bench.gpu.real_weights import run as real_weights
 from engine import LLM
 from engine.runner import ModelRunner
 
+# 65,536 tokens of KV in pages of 16: the largest workload here (32 prompts of up to 1,240
+# tokens) with room to spare, a few GB at these shapes
+POOL: dict[str, Any] = {"page_size": 16, "num_pages": 4096}
+
 
 def wide_model(tmp: Path) -> Path:
     """A 4-layer random Qwen3 with FlashInfer-sized heads and clear greedy margins."""
@@ -52,13 +56,16 @@ def run(r: Report, args: argparse.Namespace) -> None:
         wide = wide_model(Path(tmp))
 
         def make_wide(**kw: Any) -> LLM:
-            return LLM(model=str(wide), device=common.DEV, progress=False, max_seq_len=2048, **kw)
+            args = dict(model=str(wide), device=common.DEV, progress=False, max_seq_len=2048)
+            return LLM(**{**args, **POOL, **kw})
 
         chunked(r, make_wide)
         if r.left() > 120:
             logits(r)
         if flashinfer_missing() is None and r.left() > 60:
-            rows = backend_rows("Qwen3-0.6B shape, random", qwen_engine, QWEN_VOCAB, 5)
+            rows = backend_rows(
+                "Qwen3-0.6B shape, random", lambda **kw: qwen_engine(**POOL, **kw), QWEN_VOCAB, 5
+            )
             rows += backend_rows("wide random Qwen3 (4 layers)", make_wide, 49152, 6)
             r.data["backends"] = rows
             r.table("FlashInfer against torch attention inside the engine (both bf16; "
@@ -70,7 +77,7 @@ def run(r: Report, args: argparse.Namespace) -> None:
 def chunked(r: Report, make_wide: Callable[..., LLM]) -> None:
     rng = random.Random(7)
     prompts = [rand_ids(rng.randint(200, 1200), rng) for _ in range(CHUNK_PROMPTS)]
-    kw: dict[str, Any] = dict(max_running_req=32, num_pages=65536, cache_type="naive")
+    kw: dict[str, Any] = dict(max_running_req=32, cache_type="naive", **POOL)
     rows = chunk_rows(make_wide(**kw), prompts, "wide random Qwen3 (4 layers)")
     free()
     for extra, label in (({}, ""), ({"residual_dtype": "float32"}, ", float32 residual"),
@@ -99,14 +106,14 @@ def chunked(r: Report, make_wide: Callable[..., LLM]) -> None:
 
 
 def logits(r: Report) -> None:
-    llm = qwen_engine(max_running_req=16, num_pages=16384)
+    llm = qwen_engine(max_running_req=16, **POOL)
     hf32 = hf_from_engine(llm, torch.float32, QWEN)
     hf16 = hf_from_engine(llm, torch.bfloat16, QWEN)
     del llm
     prompts = [rand_ids(n, random.Random(n), QWEN_VOCAB) for n in (16, 512, 1500)]
     rows, raw = logits_table_rows(
         "Qwen3-0.6B shape, random",
-        lambda **kw: qwen_engine(max_running_req=16, num_pages=16384, **kw),
+        lambda **kw: qwen_engine(**{"max_running_req": 16, **POOL, **kw}),
         hf32, hf16, prompts, QWEN_VOCAB,
     )  # fmt: skip
     r.data["logits"] = raw

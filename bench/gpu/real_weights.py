@@ -55,7 +55,7 @@ class GreedyVariant:
 # graphs run FlashInfer's decode and cuBLAS. One prompt at a time the 1-row graph runs the decode
 # kernel (CUDA cores) and the fused qkv epilogue; with the GEMVs forced on every weight the norms
 # fold into them as well: every fused decode kernel, on real weights.
-FLOAT32 = {"dtype": "float32", "attention_backend": "torch", "cuda_graph": False, "num_pages": 8192}
+FLOAT32 = {"dtype": "float32", "attention_backend": "torch", "cuda_graph": False}
 GREEDY_VARIANTS = (
     GreedyVariant("default (bf16)"),
     GreedyVariant("bf16, fused decode kernels off", unfused=DECODE_KERNELS),
@@ -87,7 +87,8 @@ def run(r: Report) -> None:
 
     def make(**kw: Any) -> LLM:
         args: dict[str, Any] = dict(
-            model=str(path), device=common.DEV, progress=False, max_running_req=32, num_pages=65536,
+            model=str(path), device=common.DEV, progress=False, max_running_req=32, page_size=16,
+            num_pages=4096,
             max_seq_len=2048, cache_type="naive",
         )  # fmt: skip
         return LLM(**{**args, **kw})
@@ -126,9 +127,9 @@ def run(r: Report) -> None:
     if flashinfer_missing() is not None or r.left() < 60:
         return
     late = rand_ids(700, random.Random(9))
-    a = phase_trace(make(max_running_req=16, num_pages=16384), prompts[:2], late)
+    a = phase_trace(make(max_running_req=16), prompts[:2], late)
     free()
-    ref = make(max_running_req=16, num_pages=16384, attention_backend="torch", cuda_graph=False)
+    ref = make(max_running_req=16, attention_backend="torch", cuda_graph=False)
     b = phase_trace(ref, prompts[:2], late)
     del ref
     free()
