@@ -15,6 +15,7 @@
     python -m bench.fleet            the Model Gateway's routing policies over replicas
     python -m bench.page_rate        does the page keep up with the engine; one update's cost
     python -m bench.soak             memory, step time and integrity over a long run
+    python -m bench.counterfactual   does a request's delay name the time a long prompt cost it
     python -m bench.gpu              everything above that needs CUDA, in one run (sections)
     python -m bench.tp               tensor parallelism on two GPUs: exactness and step time
 
