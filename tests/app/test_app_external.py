@@ -1,5 +1,4 @@
-"""The page's side of external engines (issue 16), request sources (issue 14) and TP ranks
-(issue 18), without a browser: figures on aggregate steps converted from real log fixtures,
+"""The page's side of external engines, request sources and TP ranks, without a browser: figures on aggregate steps converted from real log fixtures,
 the page's mode from hello.engine, the OpenAI submit against a local HTTP server, and each
 rank's step time on synthetic messages."""
 
@@ -385,7 +384,7 @@ def test_external_charts_draw_the_prefix_cache_from_kv_events() -> None:
     at = AppTest.from_function(page, default_timeout=30)
     at.session_state["with_kv"] = False
     at.run()
-    # the engine's lane of steps (issue 26) and the aggregate figure
+    # the engine's lane of steps and the aggregate figure
     assert not at.exception and not at.markdown and len(at.get("plotly_chart")) == 2
     at = AppTest.from_function(page, default_timeout=30).run()
     assert not at.exception

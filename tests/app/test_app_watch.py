@@ -1,4 +1,4 @@
-"""The page's parts for a watched engine (issue 26), without a browser: one lane per
+"""The page's parts for a watched engine, without a browser: one lane per
 data-parallel rank and the rank filter on steps the watch made of a real log fixture, the notes
 on estimated times and lost KV events, and the prefix-cache hit rate from KV events."""
 

@@ -1,4 +1,4 @@
-"""The "KV pressure" preset in a real browser (issue 25, "Must show" 3): played under `reserve`
+"""The "KV pressure" preset in a real browser: played under `reserve`
 then under `optimistic` on a small pool. Under reserve the requests table says why requests wait
 and the KV chart never shows the pool full; under optimistic the timeline marks retractions and
 the KV chart shows pool-full moments. With STEPSCOPE_SCREENSHOTS set, the README's screenshots

@@ -6,8 +6,7 @@ tiny random Llama is ready in about 3 s, which a page's first render and two cli
 a loaded machine, so the prompt would not be held at all). While it loads, the user
 types a prompt and clicks Submit, and then clicks nothing else. Within 2 s of the sidebar's
 "connected", the page must be whole: the `max_extend_tokens` slider is there, the notice that the
-prompt is held is gone, and the prompt's request runs (issue 24, "The first minute is broken":
-the controls used to wait for a click that redrew the page). The held prompt then runs: its
+prompt is held is gone, and the prompt's request runs. The held prompt then runs: its
 steps reach the live charts.
 
 STEPSCOPE_FIRST_MINUTE_MODEL=PATH runs it on another model.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.fleet_ui import FleetSpec, clock_offsets, load_fleet_file, parse_engine_urls, spec_for
+from app.page.fleet import FleetSpec, clock_offsets, load_fleet_file, parse_engine_urls, spec_for
 from engine.server.fleet import Fleet
 from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, Workload, running_app
 

@@ -1,5 +1,4 @@
-"""The page in a real browser, watching an external engine (issue 16, must-show 3; issue 26,
-must-show 5).
+"""The page in a real browser, watching an external engine.
 
 Starts `python -m instrumentation.watch vllm-log` on the recorded vLLM 0.32 CPU run
 (tests/fixtures/watch/vllm_0.32_cpu_capture: its log and its raw KV-event frames) and
@@ -55,7 +54,7 @@ def running_watch(*args: str) -> Iterator[str]:
         stop_process(proc)
 
 
-# ---- a recorded vLLM 0.32 CPU run: steps, KV usage, KV events (issue 26, must-show 5) ----
+# ---- a recorded vLLM 0.32 CPU run: steps, KV usage, KV events ----
 
 CAPTURE = ROOT / "tests" / "fixtures" / "watch" / "vllm_0.32_cpu_capture"
 TRACE_Y_JS = """(name) => {

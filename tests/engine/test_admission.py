@@ -1,4 +1,4 @@
-"""Optimistic admission and retraction (issue 25, "Must show" 1): a pool small enough that
+"""Optimistic admission and retraction: a pool small enough that
 decode runs out of pages again and again, and still every request's greedy tokens equal the same
 request's under `reserve` and Hugging Face's, whatever the budget, policy or overlap; random
 traffic with admission switched mid-run leaks no page and keeps every counter equal to a scan."""

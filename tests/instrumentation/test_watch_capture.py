@@ -1,4 +1,4 @@
-"""A recorded vLLM 0.32 CPU run replays to the same steps and KV picture (issue 26, must-show 2).
+"""A recorded vLLM 0.32 CPU run replays to the same steps and KV picture.
 
 tests/fixtures/watch/vllm_0.32_cpu_capture holds what a real vLLM printed and published while
 serving the bundled SmolLM2 (CAPTURE.md: the version and the command): its log, its KV-event

@@ -1,4 +1,4 @@
-"""Every SGLang and vLLM fixture reads with zero misread fields (issue 26, must-show 3).
+"""Every SGLang and vLLM fixture reads with zero misread fields.
 
 Each fixture (tests/fixtures/watch, verbatim from public threads; SOURCES.md) is read by the
 watch, and each batch line is read again here, independently: cut into `name: value` segments,

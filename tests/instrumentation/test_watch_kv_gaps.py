@@ -1,4 +1,4 @@
-"""KV events that survive gaps (issue 26): unknown event types skipped one by one, missed
+"""KV events that survive gaps: unknown event types skipped one by one, missed
 batches recovered from vLLM's replay socket (played here by a ROUTER that answers as vLLM 0.32's
 `ZmqEventPublisher._service_replay` does), what could not be recovered said, prefix-cache reuse
 counted, and raw frames kept on disk and read back."""

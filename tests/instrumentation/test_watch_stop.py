@@ -1,4 +1,4 @@
-"""Traces that keep everything served (issue 26): each line is flushed as it is written, and a
+"""Traces that keep everything served: each line is flushed as it is written, and a
 watch stopped by SIGTERM (a service manager) or SIGINT (Ctrl-C) exits cleanly with every message
 it served in its trace: the log watch and the KV-events watch alike."""
 

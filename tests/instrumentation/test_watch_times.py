@@ -1,4 +1,4 @@
-"""Honest step times and data-parallel engines (issue 26).
+"""Honest step times and data-parallel engines.
 
 vLLM lines here are built from vLLM 0.32's format string (`vllm/v1/metrics/loggers.py`,
 `LoggingStatLogger._log_iteration_details`): "%sIteration(%d): %d context requests, %d context

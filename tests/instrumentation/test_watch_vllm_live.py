@@ -1,4 +1,4 @@
-"""The watch against a live vLLM (issue 26, must-show 1), and the recorder of the CI capture.
+"""The watch against a live vLLM, and the recorder of the CI capture.
 
 Opt-in: vLLM's CPU wheel and its dependencies are 3.5 GB, so this runs only with
 STEPSCOPE_VLLM_VENV pointing at a venv that has it (`scripts/watch_vllm.sh --setup-only` makes

@@ -1,4 +1,4 @@
-"""Forward-pass metrics and KV-cache events over a real ZMQ socket (must-show 2).
+"""Forward-pass metrics and KV-cache events over a real ZMQ socket.
 
 The test plays the engine: it binds a PUB socket on tcp://127.0.0.1:<random port>, as SGLang and
 vLLM do, and publishes messages encoded with msgspec from structs that carry the upstream

@@ -1,4 +1,4 @@
-"""Admission over the socket (issue 25, "Must show" 4): switching `admission` mid-run applies
+"""Admission over the socket: switching `admission` mid-run applies
 from the next step and is broadcast as `config`; a `retracted` event is followed by the
 request's recompute and then its remaining tokens; `/metrics` counts the preemptions."""
 

@@ -1,4 +1,4 @@
-"""One definition of each request figure (issue 24, "Must show" 1).
+"""One definition of each request figure.
 
 - A recorded server run: three chats are decoding when a long prompt arrives, with a small
   budget. Under `prefill_first` the chats stall while the prompt is chunked; under `mixed` they
