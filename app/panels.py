@@ -117,7 +117,9 @@ def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
     external = aggregate.any_aggregate(snap.steps)
     if external:  # counts only: the engine's own rates, and no per-request facts
         h = aggregate.headline(snap.steps, h)
-    cols = st.columns(7)
+    # widths for what each shows: the ITL and worst-stall lines below their values are the longest
+    # (equal columns cut "p99.9 67.…" at 1,600 px with the sidebar open)
+    cols = st.columns([1, 1.1, 1.7, 1.6, 1.1, 1, 1.1])
     cols[0].metric("tokens / s", "–" if h.tokens_per_s is None else f"{h.tokens_per_s:.1f}",
                    help="Generated tokens per second over the steps the caption names.")  # fmt: skip
     itl_tail = None if h.itl_p99 is None else f"p99 {_seconds(h.itl_p99)}"
