@@ -2,9 +2,9 @@
 
 Every view reads the replay's store exactly as the live page reads a connection's (app/replay.py),
 so a recording shows the figures the live page showed. Above the charts: a step scrubber,
-play/pause and the speed (1×–50×). The player is drawn in the charts' own fragment: a fragment
-of its own, on a timer, lost its turns to the charts' pulls (several a second) and stood still
-while the charts played on.
+play/pause and the speed (1×–50×). The headline and the player are drawn in the charts' own
+fragment: a fragment of its own, on a timer, lost its turns to the charts' pulls (several a
+second) and stood still while the charts played on.
 """
 
 from __future__ import annotations
@@ -90,10 +90,13 @@ def player(src: ReplaySource) -> None:
     )
 
 
-def _player_and_charts(src: ReplaySource) -> None:
+def _replayed(src: ReplaySource) -> None:
+    """The headline, the player and the charts, drawn together so that they show one moment."""
+    link = ReplayLink(src)
+    common.headline(link)
     player(src)
     common.paused_banner()
-    panels.live_charts(ReplayLink(src))
+    panels.live_charts(link)
 
 
 def render(src: ReplaySource) -> None:
@@ -107,8 +110,6 @@ def render(src: ReplaySource) -> None:
     sidebar.view_section(link)
     sidebar.session_section(link, recording=True)
     common.header(f"A recording, replayed: `{src.recording.name}`. " + common.TAGLINE)
-    # on timers whether playing or not: a scrub reruns only the player's fragment
-    st.fragment(common.headline, run_every=REFRESH_S)(link)
     common.notices_line()
-    st.fragment(_player_and_charts, run_every=LIVE_EVERY_S)(src)
+    st.fragment(_replayed, run_every=LIVE_EVERY_S)(src)
     st.fragment(common.detail_views, run_every=REFRESH_S)(link, NO_ENGINE)

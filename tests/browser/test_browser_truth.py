@@ -9,6 +9,7 @@ opens the trace the others wrote.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,13 @@ pytestmark = [
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 expect = sync_api.expect
 TIMEOUT_MS = 60_000
+SHOTS = os.environ.get("STEPSCOPE_SCREENSHOTS")  # a folder: the README's screenshots go there
+TIMELINE = ".stepscope-live .sl-timeline"
+
+
+def shot(page: object, name: str) -> None:
+    if SHOTS:
+        page.screenshot(path=str(Path(SHOTS) / name), full_page=False)  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +117,14 @@ def test_the_headline_covers_the_steps_in_view_and_goes_idle(page: object) -> No
     window.focus()
     window.press("Home")  # 100 steps in view, with the engine idle
     expect(page.get_by_text(re.compile(r"over the 100 steps in view"))).to_be_visible()
+    # paused, the charts stay drawn (they used to shrink to 32 px), frozen for zoom and hover
+    page.get_by_text("Live", exact=True).click()  # type: ignore[attr-defined]
+    expect(page.get_by_text("Paused: the charts are frozen")).to_be_visible()
+    page.wait_for_function(  # type: ignore[attr-defined]
+        f"() => {{ const g = document.querySelector('{TIMELINE}');"
+        " return g && g.getBoundingClientRect().height > 200 && g._fullLayout; }"
+    )
+    shot(page, "paused.png")
 
 
 def test_a_retracted_request_is_shown_stalled(page: object) -> None:
@@ -139,15 +155,32 @@ def test_the_replay_scrubber_follows_playback(page: object, served: dict) -> Non
     expect(page.get_by_text(re.compile(rf": step {first} of"))).to_be_visible()
     speed = page.locator(".st-key-replay_speed input[type='range']")  # type: ignore[attr-defined]
     speed.focus()
-    speed.press("End")  # 50×
+    speed.press("End")
+    speed.press("ArrowLeft")
+    speed.press("ArrowLeft")  # 10×: the record's few seconds of work and idle gaps last seconds
+    expect(page.locator(".st-key-replay_speed")).to_contain_text("10×")  # type: ignore[attr-defined]
     page.get_by_role("button", name="Play").click()  # type: ignore[attr-defined]
+    # the caption's step and the slider's agree, while playing, well past the first step
     page.wait_for_function(  # type: ignore[attr-defined]
-        "(first) => { const t = document.querySelector(\".st-key-replay_step input[type='range']\");"
-        " return t && Number(t.value) > first + 20; }",
+        """(first) => {
+            const t = document.querySelector(".st-key-replay_step input[type='range']");
+            const m = document.body.innerText.match(/: step (\\d+) of [^\\n]* · playing/);
+            return t && m && Number(m[1]) > first + 20 && Number(t.value) === Number(m[1]);
+        }""",
         arg=first,
     )
-    page.get_by_role("button", name="Pause").click()  # type: ignore[attr-defined]
+    pause = page.get_by_role("button", name="Pause")  # type: ignore[attr-defined]
+    if pause.count():  # still playing (50× crosses the record's idle gaps in moments)
+        pause.click()
     expect(page.get_by_text(re.compile(r"· (paused|at the end) ·"))).to_be_visible()
     shown = int(thumb.input_value())
     expect(page.get_by_text(re.compile(rf": step {shown} of"))).to_be_visible()
-    assert shown > first + 20  # not back at the first step
+    assert shown > first + 20  # the slider went with the replay, not back to the first step
+    if SHOTS:  # the picture: at 50×, from the first step
+        thumb.focus()
+        thumb.press("Home")
+        speed.focus()
+        speed.press("End")
+        page.get_by_role("button", name="Play").click()  # type: ignore[attr-defined]
+        page.wait_for_timeout(600)  # type: ignore[attr-defined]
+        shot(page, "replay-50x.png")
