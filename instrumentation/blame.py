@@ -3,10 +3,13 @@
 - `request_delay(fold, uid)`: a request's `Delay` (final once ended, so far while in flight).
 - `request_gaps(fold, uid)`: the wait before each of its tokens, by cause and step
   (`GapDelay.describe()`: "38 ms: 31 ms request 9's prompt [512:768] in steps 812–814, ...").
+- `request_wait(fold, uid, step=..., index=...)`: one of those waits, without building the
+  others (the page describes a few new ones per update).
 - `who_delayed_whom(fold)` / `blame(delays)`: (culprit, victim, seconds) largest first, seconds
   each request cost the others, and the run's total by cause.
 - `worst_stall_cause(fold, summary)`: the headline's worst stall (instrumentation.metrics) and
-  its main cause: "4.46 s — mostly request 4's prompt".
+  its main cause: "4.46 s — mostly request 4's prompt"; `stall_cause(uid, seconds, gap)` the
+  same for a given wait (a stall still going on: `request_wait(fold, uid)`).
 - `step_interference(steps)`: for a watched engine (no request ids), the time prompt work added
   to each step's decodes, and what cannot be attributed.
 
@@ -33,6 +36,8 @@ __all__ = [
     "cause_words",
     "request_delay",
     "request_gaps",
+    "request_wait",
+    "stall_cause",
     "step_interference",
     "who_delayed_whom",
     "worst_stall_cause",
@@ -58,6 +63,53 @@ def request_gaps(fold: Fold, uid: int) -> list[GapDelay]:
     if rec is not None and rec.ended:
         return list(rec.delay_gaps or ())
     return [] if fold.ledger is None else fold.ledger.gaps(uid)
+
+
+def request_wait(
+    fold: Fold, uid: int, *, step: int | None = None, index: int | None = None
+) -> GapDelay | None:
+    """One of a request's waits (as `request_gaps` gives them), built alone: the one its token
+    in step `step` ended, or its `index`-th, or (neither given) its current one, while it is
+    in flight and waits for a token (`ongoing`; also its index). None where not known."""
+    rec = fold.get(uid)
+    if rec is not None and rec.ended:
+        gaps = rec.delay_gaps or []
+        if index is not None:
+            return gaps[index] if 0 <= index < len(gaps) else None
+        if step is None:
+            return None
+        for g in reversed(gaps):  # the page asks for recent ones: search from the newest
+            if g.last_step == step and not g.ongoing:
+                return g
+            if g.last_step is not None and g.last_step < step:
+                break
+        return None
+    live = None if fold.ledger is None else fold.ledger.live.get(uid)
+    log = None if live is None else live.log
+    if log is None:
+        return None
+    # as WaitLog.gaps builds them: (t_start, t_end, first step, last step, stall, ongoing, runs)
+    if index is not None and index != len(log.closed):  # that one is the current wait
+        return _gap(uid, index, log.closed[index]) if 0 <= index < len(log.closed) else None
+    if step is not None:
+        for i in range(len(log.closed) - 1, -1, -1):
+            last = log.closed[i][3]
+            if last == step:
+                return _gap(uid, i, log.closed[i])
+            if last is not None and last < step:
+                break
+        return None
+    if not log.runs:
+        return None
+    last_step = None if fold.ledger.last is None else fold.ledger.last.step  # type: ignore[union-attr]
+    row = (live.t_last, live.cursor, log.runs[0].first, last_step, False, True, log.runs)
+    return _gap(uid, len(log.closed), row)
+
+
+def _gap(uid: int, index: int, row: tuple) -> GapDelay:
+    a, b, first, last, stall, ongoing, runs = row
+    return GapDelay(uid, index, a, b, first, last, stall, ongoing,
+                    tuple(r.charge() for r in runs))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,17 +193,21 @@ def worst_stall_cause(fold: Fold, summary: Summary | None = None) -> StallCause 
     if uid is None or worst is None:
         return None
     stalls = [g for g in request_gaps(fold, uid) if g.stall]
-    figure = describe_seconds(worst)
-    if not stalls:
-        return StallCause(uid, worst, None, None, None, figure)
-    gap = min(stalls, key=lambda g: abs(g.seconds - worst))
-    main = gap.main()
-    if main is None or gap.seconds <= 0:
-        return StallCause(uid, worst, gap, None, None, figure)
+    gap = min(stalls, key=lambda g: abs(g.seconds - worst)) if stalls else None
+    return stall_cause(uid, worst, gap)
+
+
+def stall_cause(uid: int, seconds: float, gap: GapDelay | None) -> StallCause:
+    """`uid`'s stall of `seconds` and the main cause of `gap`, its wait (a stall still going
+    on: the request's current wait); without the wait, the phrase is the figure alone."""
+    figure = describe_seconds(seconds)
+    main = None if gap is None else gap.main()
+    if gap is None or main is None or gap.seconds <= 0:
+        return StallCause(uid, seconds, gap, None, None, figure)
     share = main.seconds / gap.seconds
     words = cause_words(main)
     said = f"mostly {words}" if share >= 0.5 else f"{words} the largest part ({share:.0%})"
-    return StallCause(uid, worst, gap, main, share, f"{figure} — {said}")
+    return StallCause(uid, seconds, gap, main, share, f"{figure} — {said}")
 
 
 @dataclass(frozen=True, slots=True)
