@@ -131,7 +131,7 @@ LIVE_SEEN = Field["dict[str, tuple[Any, list]]"]("live_seen", factory=dict)
 LIVE_SENT_POLICY = Field["dict[str, Any]"]("live_sent_policy", factory=dict)
 # a recording's batches for the live component, by view: (what they were built from, batch)
 RECORDING_BATCHES = Field["dict[str, tuple[tuple, dict]]"]("recording_batches", factory=dict)
-# replay, compare and sweep (app/replay_ui.py)
+# replay, compare and sweep: what app/opener.py opened, for the pages under app/page/
 REPLAY_SOURCE = Field["ReplaySource | None"]("replay_source")
 REPLAY_COMPARE = Field["Recording | None"]("replay_compare")
 REPLAY_SWEEP = Field["SweepFolder | None"]("replay_sweep")

@@ -1,6 +1,6 @@
 """A sweep folder in the page: its trade-off points, and which run a clicked point is. Pure.
 
-A sweep folder is what `python -m engine.bench --workload sweep --out DIR` writes
+A sweep folder is what `python -m bench.sweep --out DIR` writes
 (instrumentation.sweep): one `<policy>-<budget>.jsonl` per run, and `summary.csv`. The page draws
 the trade-off in its chart component (app/live/static/sweep.js) from the folder's rows, each
 point named by its run file, so a click says which recording to open (`tradeoff.html` is the

@@ -2,7 +2,7 @@
 StopMatcher: where the first stop string ends that text.
 
 A token can end inside a multi-byte character; its text is held back until the character is
-complete. Fast tokenizers use the Rust `DecodeStream` (one call a token); others decode a short
+complete. Fast tokenizers use the Rust `DecodeStream` (one `step` per token); others decode a short
 window twice, as vLLM does.
 """
 

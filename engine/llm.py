@@ -274,8 +274,8 @@ class LLM:
     def step(self) -> StepRecord | None:
         """Run one engine step and return the record of the step that completed in this call,
         or None. Without overlap that is the step just scheduled. With overlap the step just
-        scheduled is launched and left running, and the one launched by the previous call is
-        completed while it runs; the first call of a burst then returns None with work still
+        scheduled is launched and left running, and the one launched by the previous `step()` is
+        completed while it runs; the first `step()` of a burst then returns None with work still
         in flight (`has_work()`)."""
         return self.pipeline.step()
 

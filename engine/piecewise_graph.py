@@ -3,11 +3,12 @@ piecewise graphs), one set per bucketed token count.
 
 A prefill or mixed step changes shape every step, so the decode graphs (engine.cuda_graph) cannot
 serve it, and eagerly it is some 280 launches from Python: on the H200 that host work took 15 ms
-for a 512-token chunk whose kernels take under 4 ms (issue 29). Everything between two attention
-calls (the projections, norms, activation, RoPE and the K/V store) depends on the token count
-alone, so it is captured once per bucket; only attention, whose plan depends on the requests'
-lengths, runs eagerly, once per layer, over the real tokens. A step of T tokens replays the
-graphs of the next bucket up: L + 1 replays and L attention calls instead of ~10 L launches.
+for a 512-token chunk whose kernels take under 4 ms, so the host set the step's time.
+Everything between two attention calls (the projections, norms, activation, RoPE and the K/V
+store) depends on the token count alone, so it is captured once per bucket; only attention,
+whose plan depends on the requests' lengths, runs eagerly, once per layer, over the real tokens.
+A step of T tokens replays the graphs of the next bucket up: L + 1 replays and L attention calls
+instead of ~10 L launches.
 
 The padding tokens (T to the bucket) embed token 0 at position 0 and write their K and V into
 the spare page the allocator never hands out, as the decode graphs' padding rows do; attention

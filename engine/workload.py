@@ -3,7 +3,7 @@
 Torch-free: a workload is a list of `Arrival`s (when, how many prompt tokens, how many output
 tokens), built before the engine starts so every run of a sweep sees the same requests.
 
-Two sources (docs: "Sweeps" in docs/benchmarks.md):
+Two sources (docs/benchmarks.md, "Policy and budget trade-off (the sweep)"):
 - `poisson(rate, duration, lengths, seed)`: exponential inter-arrival gaps at `rate` requests per
   second for `duration` seconds; each request's (prompt, output) pair is drawn, with replacement,
   from `lengths` (by default the Azure conversation trace in assets/azure/).

@@ -1,6 +1,7 @@
 """Request metrics, defined once (docs/protocol.md, "Metrics"). Every figure the project shows
 comes from these functions: `finished` events, `generate()`, the fold and its `Summary` (the
-page's headline, replay compare, the sweep), `/metrics`, the trace export and `engine.bench`.
+page's headline, replay compare, the sweep), `/metrics`, the trace export and the benchmarks
+(bench/).
 
 Named as vLLM and SGLang name them:
 - queue_time_seconds: queued until admitted (first scheduled).

@@ -69,7 +69,7 @@ class Events:
 class SchedulerSim:
     """The scheduler, the KV manager and a prefix cache driven like the engine drives them, with
     no model: each step's sampled token is drawn at random. For properties of the bookkeeping
-    (and `scripts/bench_schedule.py`), at thousands of steps a second."""
+    (and `python -m bench.schedule`), at thousands of steps a second."""
 
     def __init__(
         self,

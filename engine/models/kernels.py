@@ -18,11 +18,11 @@ log = logging.getLogger(__name__)
 FUSED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's norm/RoPE/activation kernels
 
 # The decode kernels of engine/kernels that can be turned off, to measure what they bring
-# (scripts/gpu_check/ builds engines both ways in one run): "qkv" (the fused norm + RoPE +
-# KV-store epilogue), "gemv" (skinny matmuls for a few rows), "fold" (the residual add, RMSNorm
-# and, before the MLP, its activation folded into those GEMVs) and "decode" (the one-launch
-# split-KV decode attention in the CUDA graphs), and "pdl" (their programmatic dependent
-# launch, engine/kernels/pdl.py). STEPSCOPE_UNFUSED=qkv,gemv,fold,decode,pdl turns them off from
+# (`python -m bench.gpu --sections kernels` builds engines both ways in one run): "qkv" (the
+# fused norm + RoPE + KV-store epilogue), "gemv" (skinny matmuls for a few rows), "fold" (the
+# residual add, RMSNorm and, before the MLP, its activation folded into those GEMVs) and
+# "decode" (the one-launch split-KV decode attention in the CUDA graphs), and "pdl" (their
+# programmatic dependent launch, engine/kernels/pdl.py). STEPSCOPE_UNFUSED=qkv,gemv,fold,decode,pdl turns them off from
 # the start; `set_unfused` in-process.
 DECODE_KERNELS = ("qkv", "gemv", "fold", "decode", "pdl")
 # On CPU: "onednn", the float32 matmuls through oneDNN on weights reordered once at load

@@ -1,5 +1,5 @@
 """The WebSocket commands (docs/protocol.md), in the API process: `CommandHandler` turns a
-client's frame into a call to the engine process and answers the client. It runs on the
+client's frame into a request to the engine process and answers the client. It runs on the
 publisher's thread; tokenizing runs on a worker thread so a long prompt holds up no other client.
 """
 

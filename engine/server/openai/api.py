@@ -358,7 +358,7 @@ class HttpApi:
         self.metrics = metrics
         self.router = Router()
         self.sinks = [metrics, self.router.sink]  # for the publisher
-        self.gone: str | None = None  # why, once the engine process is gone: every call a 503
+        self.gone: str | None = None  # why the engine process is gone (then every request gets 503)
         self.model = engine.info.model
         self.model_names = frozenset((self.model, *config.model_names))
         self.port = config.port
