@@ -6,16 +6,30 @@ so every method takes the lock and readers get copies (`Snapshot`, `Delta`), nev
 structures. The store also watches delivery (protocol v1.1): a jump in `seq` means messages
 were lost, and the store asks its link to resync (`needs_resync`), after which the new `hello`
 fills in what was missed; another `hello.engine.instance` is another engine (a restart).
+
+The fold names every request's delay wait by wait (`Fold(delays=True)`, instrumentation.delay):
+the page describes a lane's waits, the headline's worst stall and the Delays tab from it. A
+token's wait costs a few hundred bytes, so only the newest ended requests keep theirs
+(`MAX_KEPT_WAITS`); every ended request keeps its `Delay`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from instrumentation.fold import ENDED_STATES, Fold
+from instrumentation.blame import (
+    StallCause,
+    request_delay,
+    request_wait,
+    stall_cause,
+    worst_stall_cause,
+)
+from instrumentation.delay import Delay
+from instrumentation.fold import ENDED_STATES, Fold, Summary
 
 Message = dict[str, Any]
 
@@ -24,6 +38,10 @@ MAX_LOG = 200_000
 MAX_ENDED_REQUESTS = 2_000
 MAX_REPLIES = 500
 MAX_KV_EVENTS = 5_000  # a watch's `kv_events` batches (the prefix cache as its engine reports it)
+# ended requests' token-by-token waits kept (the newest requests'), about 400 bytes each
+MAX_KEPT_WAITS = 60_000
+# the fold's bound on ended requests' bytes: their token times and text, and the waits kept
+MAX_ENDED_BYTES = 32 * 2**20 + 400 * MAX_KEPT_WAITS
 # replies kept for `wait_reply`, by the id of the command they answer
 REPLY_TYPES = frozenset(("accepted", "error", "config", "kv_map", "stats"))
 
@@ -72,7 +90,9 @@ class EventStore:
         self._lock = threading.Lock()
         self._replied = threading.Condition(self._lock)
         self._stepped = threading.Condition(self._lock)  # a step folded, or history replaced
-        self._fold = Fold(max_steps=max_steps, max_ended=MAX_ENDED_REQUESTS)
+        self._fold = _new_fold(max_steps)
+        self._kept_waits: deque[tuple[int, int]] = deque()  # (uid, waits) of ended requests
+        self._kept_wait_count = 0
         # the version at which each kept step was folded, for `delta`
         self._step_versions: deque[int] = deque(maxlen=max_steps)
         self._changed: OrderedDict[int, int] = OrderedDict()  # uid -> version, oldest first
@@ -112,6 +132,8 @@ class EventStore:
                     self._last_t = max(self._last_t, float(msg.get("t1", self._last_t)))
                 if kind in ("request", "token") and "uid" in msg:
                     self._touch(int(msg["uid"]))
+                    if kind == "request" and msg.get("event") in ENDED_STATES:
+                        self._keep_waits(int(msg["uid"]))
                 elif kind == "kv_events":
                     self._kv_events.append(msg)
             if kind in REPLY_TYPES and msg.get("id") is not None:
@@ -125,6 +147,23 @@ class EventStore:
     def needs_resync(self) -> bool:
         with self._lock:
             return self._gap_pending
+
+    def _keep_waits(self, uid: int) -> None:
+        """An ended request's waits are kept; the oldest ended requests' beyond
+        MAX_KEPT_WAITS are dropped (their `Delay` stays)."""
+        rec = self._fold.get(uid)
+        if rec is None or not rec.delay_gaps:
+            return
+        self._kept_waits.append((uid, len(rec.delay_gaps)))
+        self._kept_wait_count += len(rec.delay_gaps)
+        while self._kept_wait_count > MAX_KEPT_WAITS and len(self._kept_waits) > 1:
+            old_uid, n = self._kept_waits.popleft()
+            self._kept_wait_count -= n
+            old = self._fold.get(old_uid)
+            if old is not None and old.ended and old.delay_gaps:
+                before = old.approx_bytes()
+                old.delay_gaps = None
+                self._fold._ended_bytes -= before - old.approx_bytes()  # as the fold counts
 
     def _touch(self, uid: int) -> None:
         self._changed[uid] = self._version
@@ -184,7 +223,9 @@ class EventStore:
             self._kv_events.extend([*older_kv, *kv])
 
     def _reset(self) -> None:
-        self._fold = Fold(max_steps=self._fold.steps.maxlen, max_ended=MAX_ENDED_REQUESTS)
+        self._fold = _new_fold(self._fold.steps.maxlen)
+        self._kept_waits.clear()
+        self._kept_wait_count = 0
         self._step_versions.clear()
         self._changed.clear()
         self._log.clear()
@@ -209,6 +250,8 @@ class EventStore:
                     self._cleared_uids.add(rec.uid)
             fold._ended.clear()
             fold._ended_bytes = 0
+            self._kept_waits.clear()
+            self._kept_wait_count = 0
             self._version += 1
             self._reset_version = self._version
             self._stepped.notify_all()
@@ -277,6 +320,50 @@ class EventStore:
                 restarted=cursor is not None and cursor < self._restart_version,
             )
 
+    # ---- the delay (instrumentation.blame, over the fold) ---------------------------------
+
+    def delays(self) -> dict[int, Delay]:
+        """Each request's delay by uid, oldest first: final once it ended, so far while in
+        flight (instrumentation.blame.request_delay); `blame()` of it is who delayed whom."""
+        with self._lock:
+            fold = self._fold
+            out: dict[int, Delay] = {}
+            for rec in sorted(fold.requests(), key=lambda r: r.uid):
+                d = request_delay(fold, rec.uid)
+                if d is not None:
+                    out[rec.uid] = d
+            return out
+
+    def stall_cause(
+        self, summary: Summary, uid: int, seconds: float, ongoing: bool
+    ) -> StallCause | None:
+        """The main cause of the headline's worst stall: `summary`'s, or (`ongoing`) `uid`'s
+        current wait of `seconds`."""
+        with self._lock:
+            if ongoing:
+                return stall_cause(uid, seconds, request_wait(self._fold, uid))
+            return worst_stall_cause(self._fold, summary)
+
+    def describe_waits(
+        self,
+        ended: Iterable[tuple[int, int]] = (),
+        current: Iterable[int] = (),
+        first: Iterable[int] = (),
+    ) -> tuple[dict[tuple[int, int], str], dict[int, str], dict[int, str]]:
+        """Waits in words (`GapDelay.describe()`): those that a request's token in a step ended
+        (`ended`: (uid, step)), requests' current waits, and their waits for a first token;
+        those not known are left out."""
+        with self._lock:
+            fold = self._fold
+            got = {k: request_wait(fold, k[0], step=k[1]) for k in ended}
+            now = {uid: request_wait(fold, uid) for uid in current}
+            firsts = {uid: request_wait(fold, uid, index=0) for uid in first}
+            return (
+                {k: g.describe() for k, g in got.items() if g is not None},
+                {u: g.describe() for u, g in now.items() if g is not None},
+                {u: g.describe() for u, g in firsts.items() if g is not None and not g.ongoing},
+            )
+
     def log(self) -> list[Message]:
         """Every recorded message, oldest first (the session trace)."""
         with self._lock:
@@ -306,6 +393,15 @@ class EventStore:
     def reply(self, command_id: str) -> Message | None:
         with self._lock:
             return self._replies.get(command_id)
+
+
+def _new_fold(max_steps: int | None) -> Fold:
+    return Fold(
+        max_steps=max_steps,
+        max_ended=MAX_ENDED_REQUESTS,
+        max_ended_bytes=MAX_ENDED_BYTES,
+        delays=True,
+    )
 
 
 __all__ = ["ENDED_STATES", "Delta", "EventStore", "Message", "Snapshot"]

@@ -20,6 +20,7 @@ import streamlit.components.v1 as v1
 import streamlit.components.v2 as v2
 
 from app import session
+from app.live import encode
 from app.live import style as colors
 from app.live.feed import LiveFeed, Recorded, ViewOptions
 
@@ -63,7 +64,7 @@ OVERLAP = 3  # batches each payload covers
 # its steps; at 2,000: 0.98-1.0).
 PX_PER_STEP = 3
 MAX_SEGMENTS = 2000
-MAX_LANES = 40
+MAX_LANES = encode.MAX_LANES
 
 
 def _assets_urls() -> dict[str, Any]:

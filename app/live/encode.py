@@ -14,6 +14,10 @@ one-token decodes of the same requests as the step before, so each step says onl
 decode set differs from the previous one (who left, who joined and at which position, whose
 work was wasted) and lists its prompt pieces. Decodes keep their place in the stack from step
 to step (oldest decoder at the bottom), so a request's band runs straight across the chart.
+
+A batch also names the waits a lane shows (`waits` in app/live/feed.py): what each stall that
+ended in it, each stall still going on and each first token waited for, in words
+(instrumentation.blame), for the requests with a lane only and each wait once.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ REASONS = (None, *WAIT_REASONS)  # a step's waiting reason, as a code (0: nothin
 # only when one of these changed, not for every token
 REQUEST_FIELDS = ("uid", "state", "t_queued", "t_first_token", "t_finished")
 ENDED = frozenset({"finished", "aborted", "rejected"})
+MAX_LANES = 40  # the timeline draws a lane for each of the newest requests, this many
 EPS = 1e-9
 
 
@@ -63,6 +68,12 @@ class StepEncoder:
     ref: dict[int, int] = field(default_factory=dict)
     rows: dict[int, tuple] = field(default_factory=dict)  # request rows as last sent
     engine_sent: dict[str, Any] | None = None  # the engine facts as last sent
+    # the requests with a lane (the newest MAX_LANES by their first step, oldest first): only
+    # their waits are described
+    lanes: dict[int, None] = field(default_factory=dict)
+    # waits asked for in the last batch and not yet known (a step's tokens may not have been
+    # folded when its batch was made): (stalls as [uid, first, last, s], first-token uids)
+    unsaid: tuple[list[list], list[int]] = ([], [])
 
     def copy(self) -> StepEncoder:
         # by hand: deepcopy costs more than encoding a batch
@@ -74,6 +85,8 @@ class StepEncoder:
             dict(self.ref),
             dict(self.rows),
             self.engine_sent,
+            dict(self.lanes),
+            self.unsaid,
         )
 
     def request_rows(self, requests: Iterable[Message], limit: int) -> list[list]:
@@ -102,9 +115,12 @@ class StepEncoder:
         items: dict[str, list] = {k: [] for k in ITEM_FIELDS}
         packed: list[dict[str, Any]] = []
         stalls: list[list] = []
+        firsts: list[int] = []
         self.ended_at.update(ended)
         for i, s in enumerate(steps):
             self._step(i, s, cols, items, packed, stalls)
+            firsts.extend(int(it["uid"]) for it in s["items"]
+                          if it["kind"] == "prefill" and not it.get("wasted"))  # fmt: skip
         for uid in [u for u, t in self.ended_at.items() if t <= self.last_t1 + EPS]:
             self.decoding.pop(uid, None)
         # what is left ended after the last step (its stall is not over) or never decoded
@@ -122,6 +138,7 @@ class StepEncoder:
             "packed": packed,
             "stalls": stalls,
             "ongoing": ongoing,
+            "firsts": firsts,  # requests whose first token these steps sampled
             # [step, uid] of each retraction: a marker on the timeline, a gap in its lane
             "retractions": [
                 [int(s["step"]), int(u)] for s in steps for u in s.get("retracted") or ()
@@ -191,7 +208,14 @@ class StepEncoder:
         # Decodes at the bottom (in the stack's order), prompt pieces above, wasted work on top.
         base = prompt = decode = wasted = 0
         sampled: set[int] = set()
+        lanes = self.lanes
         for it in order:
+            uid = int(it["uid"])
+            # uids grow and admission is FIFO: one older than every lane has had its lane
+            if uid not in lanes and (len(lanes) < MAX_LANES or uid > next(iter(lanes))):
+                lanes[uid] = None
+                if len(lanes) > MAX_LANES:
+                    del lanes[next(iter(lanes))]
             n = int(it["end"]) - int(it["start"])
             w = bool(it.get("wasted"))
             items["i"].append(i)

@@ -11,13 +11,15 @@ payload ask again from where it really is.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from app.live.encode import StepEncoder, compact_columns, ended_times
 
 RING = 32  # batches a browser may fall behind by and still get a delta, not a reset
 MAX_REQUESTS = 200  # request records a reset carries (the newest)
+MAX_WAIT_TEXTS = 300  # waits a batch describes at most (a reset over many stalls: the newest)
 
 
 class Delta(Protocol):
@@ -33,6 +35,15 @@ class DeltaSource(Protocol):
     def delta(self, cursor: int | None, metrics: bool = True) -> Delta: ...
 
     def wait_for_step(self, after: int, timeout: float) -> bool: ...
+
+
+@runtime_checkable
+class WaitSource(Protocol):
+    """A store that can say what a request waited for (app.state.EventStore)."""
+
+    def describe_waits(
+        self, ended: Iterable[tuple[int, int]], current: Iterable[int], first: Iterable[int]
+    ) -> tuple[dict[tuple[int, int], str], dict[int, str], dict[int, str]]: ...
 
 
 @dataclass(frozen=True)
@@ -197,10 +208,46 @@ class LiveFeed:
             out["stalls"] = body["stalls"]
         if body["retractions"]:
             out["retractions"] = body["retractions"]
+        if isinstance(store, WaitSource):  # a recording drawn whole has no fold to ask
+            out.update(describe_waits(store, encoder, body))
         facts = {k: (delta.engine or {}).get(k) for k in ("page_size", "num_pages", "model")}
         if reset or facts != encoder.engine_sent:
             out["engine"] = encoder.engine_sent = facts
         return out
+
+
+def describe_waits(store: WaitSource, encoder: StepEncoder, body: dict[str, Any]) -> dict:
+    """The batch's waits in words, for the requests with a lane: each stall that ended in it
+    (`waits`: [uid, its first step, text]), each stall still going on (a fifth value of its
+    `ongoing` row) and each first token's wait (`firsts`: [uid, text]). A wait not known yet
+    (its token not folded when the batch was made) is asked for again with the next batch."""
+    lanes = encoder.lanes
+    old_stalls, old_firsts = encoder.unsaid
+    stalls = [st for st in (*old_stalls, *body["stalls"]) if st[0] in lanes][-MAX_WAIT_TEXTS:]
+    firsts = [u for u in (*old_firsts, *body["firsts"]) if u in lanes][-MAX_WAIT_TEXTS:]
+    ongoing = [row for row in body["ongoing"] if row[0] in lanes]
+    if not (stalls or firsts or ongoing):
+        encoder.unsaid = ([], [])
+        return {}
+    # a stall [uid, first, last, s] ended with the request's token in step last + 1
+    ended, current, first = store.describe_waits(
+        [(st[0], st[2] + 1) for st in stalls], [row[0] for row in ongoing], firsts
+    )
+    fresh = {id(st) for st in body["stalls"]}
+    encoder.unsaid = (
+        [st for st in stalls if (st[0], st[2] + 1) not in ended and id(st) in fresh],
+        [u for u in body["firsts"] if u in lanes and u not in first],
+    )
+    for row in ongoing:
+        if row[0] in current:
+            row.append(current[row[0]])
+    out: dict[str, list] = {}
+    if said := [[st[0], st[1], ended[st[0], st[2] + 1]] for st in stalls
+                if (st[0], st[2] + 1) in ended]:  # fmt: skip
+        out["waits"] = said
+    if first:
+        out["firsts"] = [[u, text] for u, text in first.items()]
+    return out
 
 
 def _replaced(store: DeltaSource, cursor: int) -> bool:

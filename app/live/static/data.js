@@ -12,6 +12,7 @@
   // a step's `reason` code: why the head of the waiting queue was not admitted (encode.REASONS)
   const WAIT_REASONS = [null, "budget", "kv", "max_running", "reserved"];
   const MAX_RETRACTIONS = 4000;
+  const MAX_FIRSTS = 400; // first tokens' waits kept (more than the lanes drawn)
   const REQ_FIELDS = ["uid", "state", "t_queued", "t_first_token", "t_finished"];
   const REF_KEEP = 16; // decode stacks kept at batch ends, for batches that overlap what we hold
   const HALF = 0.45; // a step's bar half-width in step units
@@ -94,6 +95,10 @@
       this.runs = new Map(); // uid -> [[firstStep, lastStep], ...] steps that gave it a token
       this.chunks = []; // [step, uid, a, b, kind] prompt pieces
       this.firstItemStep = new Map(); // uid -> first step it appeared in
+      // waits in words (feed.describe_waits): "uid:first step" of a stall -> what it waited
+      // for; uid -> what its first token waited for
+      this.waits = new Map();
+      this.firsts = new Map();
     }
     // the decode stack a batch starting at step `first` unpacks from, if we know it
     refBefore(first) {
@@ -145,6 +150,9 @@
       const seenR = new Set(this.retractions.map((x) => x[0] + ":" + x[1]));
       for (const r of batch.retractions || []) if (!seenR.has(r[0] + ":" + r[1])) this.retractions.push(r);
       if (this.retractions.length > MAX_RETRACTIONS) this.retractions.splice(0, this.retractions.length - MAX_RETRACTIONS);
+      for (const [uid, a, text] of batch.waits || []) this.waits.set(uid + ":" + a, text);
+      for (const [uid, text] of batch.firsts || []) this.firsts.set(uid, text);
+      while (this.firsts.size > MAX_FIRSTS) this.firsts.delete(this.firsts.keys().next().value);
       for (const row of batch.requests || []) {
         const rec = {};
         REQ_FIELDS.forEach((f, k) => { rec[f] = row[k]; });
@@ -160,6 +168,10 @@
       const first = this.steps.step[0];
       this.items.dropFront(lowerBound(this.items.step, first));
       this.stalls = this.stalls.filter((x) => x[2] >= first);
+      if (this.waits.size) {
+        const kept = new Set(this.stalls.map((x) => x[0] + ":" + x[1]));
+        for (const key of [...this.waits.keys()]) if (!kept.has(key)) this.waits.delete(key);
+      }
       this.retractions = this.retractions.filter((x) => x[0] >= first);
       this.chunks = this.chunks.filter((c) => c[0] >= first);
       for (const [uid, r] of this.runs) {

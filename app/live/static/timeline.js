@@ -3,6 +3,8 @@
   "use strict";
   const { KINDS, WAIT_REASONS, lowerBound, color, stepsPerPixel, groups } = S;
   const CLEAR = "rgba(0,0,0,0)";
+  const MAX_WAIT_LINES = 6; // causes a hovered wait lists (the largest first)
+  const MAX_REASON_RUNS = 6; // runs of waiting reasons a hovered waiting stretch lists
 
   // `fixed` (compare): {x: [lo, hi], y_top} the same for every recording compared, so the same
   // place on the page is the same moment, and bars of the same height are the same size
@@ -163,8 +165,20 @@
     const shown = uids.slice(-style.max_lanes);
     const label = (u) => `req ${u}`;
     const segs = { waiting: lane(), chunk: lane(), decode: lane(), stall: lane(), retracted: lane() };
-    // why the head of the queue waited at step index i (the step record's waiting reason)
-    const why = (i) => { const r = WAIT_REASONS[s.reason[Math.min(Math.max(i, 0), s.length - 1)]]; return r ? ` (the queue waits: ${r})` : ""; };
+    // why the head of the queue waited in the steps at indices i0..i1 (each step record's
+    // waiting reason), as runs of steps
+    const why = (i0, i1) => {
+      const runs = [];
+      for (let i = Math.max(i0, 0); i <= Math.min(i1, s.length - 1); i++) {
+        const r = WAIT_REASONS[s.reason[i]] || "no reason named";
+        const last = runs[runs.length - 1];
+        if (last && last[0] === r) last[2] = s.step[i]; else runs.push([r, s.step[i], s.step[i]]);
+      }
+      if (!runs.length) return "";
+      const lines = runs.slice(-MAX_REASON_RUNS).map(([r, a, b]) => `· ${a === b ? `step ${a}` : `steps ${a}–${b}`}: ${r}`);
+      return "<br>the head of the queue waited for:<br>" + (runs.length > MAX_REASON_RUNS ? "· …<br>" : "") +
+        lines.join("<br>") + "<br>(admission is FIFO: a request behind the head waits for the head's reason)";
+    };
     const add = (kind, uid, x0, x1, text, hover) => {
       const g = segs[kind];
       g.y.push(label(uid)); g.base.push(x0); g.x.push(Math.max(x1 - x0, 0));
@@ -181,7 +195,8 @@
         const x0 = Math.max(axis.atTime(r.t_queued), startX);
         const x1 = first === undefined ? endX : axis.lo(axis.index(first));
         const iEnd = first === undefined ? s.length - 1 : axis.index(first) - 1;
-        if (x1 > x0) add("waiting", uid, x0, x1, "", "waiting" + why(iEnd));
+        const iStart = lowerBound(s.t1, r.t_queued); // the first step that ended after it came
+        if (x1 > x0) add("waiting", uid, x0, x1, "", "waiting for admission" + why(iStart, iEnd));
       }
       for (const [a, b] of rec.runs.get(uid) || []) {
         const ia = axis.index(Math.max(a, firstStep)), ib = axis.index(b);
@@ -196,12 +211,15 @@
       const back = rec.chunks.find((c) => c[1] === uid && c[0] >= step && c[4] === 3);
       const ib = back ? axis.index(back[0]) : s.length;
       const x1 = ib < s.length ? axis.lo(ib) : endX;
-      add("retracted", uid, axis.lo(ia), x1, "", `retracted at step ${step}: KV freed, waiting to be recomputed` + why(ib - 1));
+      add("retracted", uid, axis.lo(ia), x1, "", `retracted at step ${step}: KV freed, waiting to be recomputed` + why(ia, ib - 1));
     }
     for (const [step, uid, a, b, kind] of rec.chunks) {
       if (!set.has(uid)) continue;
       const i = axis.index(step);
-      add("chunk", uid, axis.lo(i), axis.hi(i), `[${a}:${b})`, `step ${step} · ${KINDS[kind]} [${a}:${b}) · ${b - a} tokens`);
+      // the piece that sampled the first token says what that token waited for
+      const waited = kind === 1 ? rec.firsts.get(uid) : undefined;
+      add("chunk", uid, axis.lo(i), axis.hi(i), `[${a}:${b})`, `step ${step} · ${KINDS[kind]} [${a}:${b}) · ${b - a} tokens` +
+        (waited ? "<br>its first token " + waitLines(waited) : ""));
     }
     const stallSeg = (st, ongoing) => {
       const [uid, a, b, secs] = st;
@@ -209,7 +227,9 @@
       const ia = axis.index(Math.max(a, firstStep)), ib = axis.index(b);
       if (ib >= s.length) return;
       const what = ongoing ? "stalled (still waiting)" : "stall";
-      add("stall", uid, axis.lo(ia), axis.hi(ib), "", `${what}: ${Math.round(secs * 1000)} ms without a token`);
+      const waited = ongoing ? st[4] : rec.waits.get(uid + ":" + a);
+      add("stall", uid, axis.lo(ia), axis.hi(ib), "", `${what}: ${Math.round(secs * 1000)} ms without a token` +
+        (waited ? "<br>" + (ongoing ? "so far it " : "it ") + waitLines(waited) : ""));
     };
     for (const st of rec.stalls) stallSeg(st, false);
     for (const st of rec.ongoing) stallSeg(st, true);
@@ -228,6 +248,7 @@
       const trace = { type: "bar", orientation: "h", name, y: g.y, x: g.x, base: g.base,
         marker: Object.assign({ color: g.color, line: { width: 0 } }, extra), customdata: g.hover,
         hovertemplate: "%{y} · %{customdata}<extra></extra>", width, yaxis: "y2",
+        hoverlabel: { align: "left" }, // a wait's causes, one a line
       };
       // labels cost Plotly a text measurement each (20 ms for 40 on a 2-core machine): only
       // where they can be read, at per-request detail
@@ -239,6 +260,17 @@
   }
 
   function lane() { return { y: [], base: [], x: [], color: [], text: [], hover: [] }; }
+
+  // a wait in words (instrumentation's GapDelay.describe(): "38 ms: 31 ms request 9's prompt
+  // [512:768] in steps 812–814, 7 ms own decode in step 815"), one cause a line
+  function waitLines(text) {
+    const k = text.indexOf(": ");
+    if (k < 0) return "waited " + text;
+    const parts = text.slice(k + 2).split(", ");
+    const shown = parts.slice(0, MAX_WAIT_LINES).map((p) => "· " + p);
+    if (parts.length > MAX_WAIT_LINES) shown.push(`· and ${parts.length - MAX_WAIT_LINES} more`);
+    return `waited ${text.slice(0, k)}:<br>` + shown.join("<br>");
+  }
 
   S.timelineFigure = timelineFigure;
 })(window.stepscope = window.stepscope || {});
