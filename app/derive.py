@@ -33,7 +33,7 @@ class Headline:
     itl_p50: float | None
     itl_p99: float | None
     itl_p999: float | None
-    # the longest stall, ended or still going on
+    # the longest stall, ended or still going on (`worst_stall_ongoing`: no token ended it yet)
     worst_stall: float | None
     worst_stall_uid: int | None
     # requests waiting for their next token (running, or retracted and queued again) whose last
@@ -44,6 +44,7 @@ class Headline:
     kv_cached: float | None
     running: int
     waiting: int
+    worst_stall_ongoing: bool = False
 
 
 def scope(summary: Summary, whole: bool | None = None) -> str:
@@ -78,8 +79,9 @@ def headline(
     ongoing = [st for st in fold_stalls(steps, between_tokens) if st.ongoing]
     longest = max(ongoing, key=lambda st: st.seconds, default=None)
     worst, worst_uid = s.worst_stall_s, s.worst_stall_uid
-    if longest is not None and (worst is None or longest.seconds > worst):
-        worst, worst_uid = longest.seconds, longest.uid
+    ongoing_worst = longest is not None and (worst is None or longest.seconds > worst)
+    if ongoing_worst:
+        worst, worst_uid = longest.seconds, longest.uid  # type: ignore[union-attr]
     last = steps[-1] if steps else {}
     kv = pool_now(steps, rows)
     total = kv.get("total") or 0
@@ -100,6 +102,7 @@ def headline(
         kv_cached=kv.get("cached", 0) / total if total else None,
         running=running if rows or not last else int((last.get("queue") or {}).get("running", 0)),
         waiting=waiting if rows or not last else int((last.get("queue") or {}).get("waiting", 0)),
+        worst_stall_ongoing=ongoing_worst,
     )
 
 

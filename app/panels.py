@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app import aggregate, compare, controls, external, ranks, session, sweep_view
+from app import aggregate, compare, controls, delays, external, ranks, session, sweep_view
 from app.client import EngineLink, NotConnected
-from app.derive import headline
+from app.derive import Headline, headline
 from app.kvmap import PageMapStore
 from app.live.component import kv_page_map, recording_charts, sweep_plot
 from app.live.component import live_charts as _live_charts
@@ -26,6 +27,8 @@ from app.live.feed import ViewOptions
 from app.live.style import request_color
 from app.state import Message, Snapshot
 from app.workloads import PresetRun
+from instrumentation.blame import StallCause, step_interference
+from instrumentation.fold import Summary
 
 PLOT_CONFIG = {"displaylogo": False, "scrollZoom": False}
 LATENCY_STEPS = 2_000  # the requests table and the ranks read at most this many steps
@@ -93,13 +96,14 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> None:
+def chart(name: str, key: tuple, build: Callable[[], go.Figure]) -> go.Figure:
     """Draw a figure, rebuilding it only when its inputs changed since this tab last drew it."""
     memo = session.FIGURE_MEMO.setdefault()
     hit = memo.get(name)
     if hit is None or hit[0] != key:
         hit = memo[name] = (key, build())
     st.plotly_chart(hit[1], key=f"chart-{name}", config=PLOT_CONFIG)
+    return hit[1]
 
 
 def _memo_key(snap: Snapshot, *extra: object) -> tuple:
@@ -110,9 +114,20 @@ def _memo_key(snap: Snapshot, *extra: object) -> tuple:
 # ---- metric row -------------------------------------------------------------------------------
 
 
-def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
+class StallCauses(Protocol):
+    """Where the headline finds its worst stall's cause (app.state.EventStore)."""
+
+    def stall_cause(
+        self, summary: Summary, uid: int, seconds: float, ongoing: bool
+    ) -> StallCause | None: ...
+
+
+def metrics_row(
+    snap: Snapshot, whole: bool | None = None, causes: StallCauses | None = None
+) -> None:
     """The headline: the shared fold's Summary over the steps in `snap` (app.derive.headline),
-    with a caption that says which steps those are (`whole`: they are the whole recording)."""
+    with a caption that says which steps those are (`whole`: they are the whole recording) and
+    what the worst stall waited for (from `causes`, instrumentation.blame's phrase)."""
     h = headline(snap.steps, snap.requests, whole)
     external = aggregate.any_aggregate(snap.steps)
     if external:  # counts only: the engine's own rates, and no per-request facts
@@ -176,7 +191,18 @@ def metrics_row(snap: Snapshot, whole: bool | None = None) -> None:
     if external:
         st.caption(f"Over {h.scope}; tokens/s and KV as the engine logged them.")
     else:
-        st.caption(f"Tokens/s, TTFT, ITL and worst stall over {h.scope}.")
+        st.caption(f"Tokens/s, TTFT, ITL and worst stall over {h.scope}." + _cause_line(h, causes))
+
+
+def _cause_line(h: Headline, causes: StallCauses | None) -> str:
+    """ " Worst stall: 4.46 s — mostly request 4's prompt (request 1)." where a cause is known."""
+    if causes is None or h.worst_stall is None or h.worst_stall_uid is None:
+        return ""
+    cause = causes.stall_cause(h.summary, h.worst_stall_uid, h.worst_stall, h.worst_stall_ongoing)
+    if cause is None or cause.main is None:
+        return ""
+    who = f"request {cause.uid}" + (", still waiting" if h.worst_stall_ongoing else "")
+    return f" Worst stall: **{cause.phrase}** ({who})."
 
 
 def _last_step_note(last: Message) -> str:
@@ -340,6 +366,8 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
     if not snap.requests:
         st.info("No requests yet.")
         return
+    per = link.store.delays()  # who delayed each request, and why it waited (app.delays)
+    reasons = delays.reasons_in(per)
     rows = []
     for r in snap.requests[::-1]:
         tq, tf, te = r.get("t_queued"), r.get("t_first_token"), r.get("t_finished")
@@ -358,6 +386,7 @@ def requests_view(link: EngineLink, snap: Snapshot, abort_note: str | None = Non
                 "TTFT (s)": None if tf is None or tq is None else round(tf - tq, 3),
                 "latency (s)": None if te is None or tq is None else round(te - tq, 3),
                 "worst stall (s)": None if stall is None else round(stall, 3),
+                **delays.wait_columns(per.get(int(r["uid"])), reasons),
                 "text": r.get("text") or r.get("message") or "",
             }
         )
@@ -395,6 +424,11 @@ def external_charts(snap: Snapshot) -> None:
         _memo_key(snap, xmode, rank),
         lambda: aggregate.aggregate_figure(steps, xmode),
     )
+    if any(s.get("prompt_tokens") for s in steps):  # prompt work that may have slowed decodes
+        st.markdown("**What prompt work added to the decodes**")
+        fig = chart("interference", _memo_key(snap, xmode, rank),
+                    lambda: delays.interference_figure(step_interference(steps), xmode))  # fmt: skip
+        st.caption(fig.layout.meta)  # the figure's own account of what it could not tell
     if kv:
         st.markdown("**Prefix cache (KV events)**")
         st.caption(aggregate.KV_EVENTS_CAPTION)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import panels, rerun, session
+from app import aggregate, delays_view, panels, rerun, session
 from app.client import EngineLink
 from app.replay import ReplayLink
 
@@ -21,6 +21,10 @@ TAGLINE = (
     "cut into chunks, how full the KV cache is, and when decoding stalls."
 )
 PAUSED = "Paused: the charts are frozen so you can zoom and hover. Switch Live back on."
+WATCHED_DELAYS = (
+    "A watched engine's steps name no request, so no request's delay can be named: what prompt "
+    "work added to each step's decodes is shown with its charts above."
+)
 
 
 def header(caption: str = TAGLINE) -> None:
@@ -31,7 +35,7 @@ def header(caption: str = TAGLINE) -> None:
 def headline(link: Link) -> None:
     """The metric row over the steps in view, and what may be missing from the record."""
     snap = session.metrics_snapshot(link)
-    panels.metrics_row(snap)
+    panels.metrics_row(snap, causes=link.store)
     panels.delivery_notice(snap)
 
 
@@ -69,11 +73,13 @@ def paused_banner() -> None:
 
 def detail_views(link: Link, abort_note: str | None = None) -> None:
     """What the charts do not show, refreshed once a second while its tab is open: the
-    tensor-parallel ranks (when steps carry them), output text, the KV page map, requests."""
+    tensor-parallel ranks (when steps carry them), output text, the KV page map, requests, and
+    who delayed whom."""
     rerun.show_notices_now()  # an Abort clicked here reran only this fragment
     snap = session.view_snapshot(link, cap=panels.LATENCY_STEPS)
     panels.ranks_view(snap.steps, snap.engine)
-    tabs = st.tabs(["Output text", "KV page map", "Requests"], key="detail_tab", on_change="rerun")
+    tabs = st.tabs(["Output text", "KV page map", "Requests", "Delays"], key="detail_tab",
+                   on_change="rerun")  # fmt: skip
     if tabs[0].open:
         with tabs[0]:
             panels.outputs_view(session.requests_snapshot(link))
@@ -83,3 +89,7 @@ def detail_views(link: Link, abort_note: str | None = None) -> None:
     if tabs[2].open:
         with tabs[2]:
             panels.requests_view(link, snap, abort_note)
+    if tabs[3].open:
+        with tabs[3]:
+            watched = aggregate.any_aggregate(snap.steps)
+            delays_view.delays_tab(link.store, WATCHED_DELAYS if watched else None)
