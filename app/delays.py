@@ -39,8 +39,9 @@ CAPTION = (
     "The parts add up to the latency."
 )
 RUN_CAPTION = (
-    "The whole run: every request's latency added up, by cause, and who cost whom the most "
-    "(seconds of the victim's latency charged to the culprit's work)."
+    "Every request's latency added up, by cause (another request's work by whose it was), and "
+    "who cost whom the most: seconds of the delayed request's latency charged to the culprit's "
+    "work."
 )
 INTERFERENCE_CAPTION = (
     "Per step, the time its **prompt work added to its decodes**: the step's time minus what "
@@ -123,8 +124,10 @@ def request_figure(delays: Mapping[int, Delay]) -> go.Figure:
                  strict=True)]  # fmt: skip
         fig.add_bar(
             name=name, y=labels, x=[_s(x) for x in xs], orientation="h", customdata=texts,
+            # overlay: the hatching on the bar's colour (the default replaces the colour)
             marker={"color": color, "line": {"width": 0},
-                    "pattern": {"shape": pattern, "fgcolor": "white", "size": 6}},
+                    "pattern": {"shape": pattern, "fillmode": "overlay", "fgcolor": "white",
+                                "fgopacity": 0.8, "size": 6}},
             hovertemplate=f"%{{y}} · {hover}: %{{x:.3f}} s (%{{customdata}} of its latency)"
             "<extra></extra>",
         )  # fmt: skip
@@ -153,7 +156,7 @@ def request_figure(delays: Mapping[int, Delay]) -> go.Figure:
         margin={"l": 70, "r": 60, "t": 10, "b": 40},
         xaxis_title="seconds of latency (queued → last token)",
         yaxis={"categoryorder": "array", "categoryarray": labels[::-1]},
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 0},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 0, "traceorder": "normal"},
         hovermode="closest",
     )
     return fig
@@ -242,8 +245,8 @@ def interference_figure(items: Sequence[StepInterference], x: str = "step") -> g
     fig = go.Figure()
     fig.add_bar(
         name="added by prompt work", x=xs, y=[round(i.added * 1000, 2) for i in told],  # type: ignore[operator]
-        marker={"color": OTHERS_COLOR, "pattern": {"shape": "/", "fgcolor": "white"},
-                "line": {"width": 0}},
+        marker={"color": OTHERS_COLOR, "line": {"width": 0},
+                "pattern": {"shape": "/", "fillmode": "overlay", "fgcolor": "white"}},
         customdata=[[i.decodes, i.prompt_tokens, _ms(i.seconds), _ms(i.decode_alone)]
                     for i in told],
         hovertemplate="step %{x} · prompt work added %{y:.1f} ms<br>%{customdata[0]} decodes, "
