@@ -209,41 +209,57 @@ class LiveFeed:
         if body["retractions"]:
             out["retractions"] = body["retractions"]
         if isinstance(store, WaitSource):  # a recording drawn whole has no fold to ask
-            out.update(describe_waits(store, encoder, body))
+            # a stall still going on changes every step: said in a batch that starts a view (a
+            # paused one's included), not again in each live update
+            out.update(describe_waits(store, encoder, body, ongoing=reset))
         facts = {k: (delta.engine or {}).get(k) for k in ("page_size", "num_pages", "model")}
         if reset or facts != encoder.engine_sent:
             out["engine"] = encoder.engine_sent = facts
         return out
 
 
-def describe_waits(store: WaitSource, encoder: StepEncoder, body: dict[str, Any]) -> dict:
+def describe_waits(
+    store: WaitSource, encoder: StepEncoder, body: dict[str, Any], ongoing: bool = True
+) -> dict:
     """The batch's waits in words, for the requests with a lane: each stall that ended in it
-    (`waits`: [uid, its first step, text]), each stall still going on (a fifth value of its
-    `ongoing` row) and each first token's wait (`firsts`: [uid, text]). A wait not known yet
-    (its token not folded when the batch was made) is asked for again with the next batch."""
+    (`waits`: [uid, its first step, text, or the index of an earlier row with the same text]),
+    with `ongoing` each stall still going on (a fifth
+    value of its `ongoing` row), and each first token's wait (`firsts`: [uid, text]). A wait
+    not known yet (its token not folded when the batch was made) is asked for again with the
+    next batch."""
     lanes = encoder.lanes
     old_stalls, old_firsts = encoder.unsaid
     stalls = [st for st in (*old_stalls, *body["stalls"]) if st[0] in lanes][-MAX_WAIT_TEXTS:]
     firsts = [u for u in (*old_firsts, *body["firsts"]) if u in lanes][-MAX_WAIT_TEXTS:]
-    ongoing = [row for row in body["ongoing"] if row[0] in lanes]
-    if not (stalls or firsts or ongoing):
+    going = [row for row in body["ongoing"] if row[0] in lanes] if ongoing else []
+    if not (stalls or firsts or going):
         encoder.unsaid = ([], [])
         return {}
     # a stall [uid, first, last, s] ended with the request's token in step last + 1
     ended, current, first = store.describe_waits(
-        [(st[0], st[2] + 1) for st in stalls], [row[0] for row in ongoing], firsts
+        [(st[0], st[2] + 1) for st in stalls], [row[0] for row in going], firsts
     )
     fresh = {id(st) for st in body["stalls"]}
     encoder.unsaid = (
         [st for st in stalls if (st[0], st[2] + 1) not in ended and id(st) in fresh],
         [u for u in body["firsts"] if u in lanes and u not in first],
     )
-    for row in ongoing:
+    for row in going:
         if row[0] in current:
             row.append(current[row[0]])
     out: dict[str, list] = {}
-    if said := [[st[0], st[1], ended[st[0], st[2] + 1]] for st in stalls
-                if (st[0], st[2] + 1) in ended]:  # fmt: skip
+    said: list[list] = []
+    first_said: dict[str, int] = {}  # under prefill-first every decode's stall reads the same
+    for st in stalls:
+        text = ended.get((st[0], st[2] + 1))
+        if text is None:
+            continue
+        # a text said before in this batch is sent as the index of the row that says it
+        k = first_said.get(text)
+        if k is None:
+            first_said[text] = len(said)
+        said.append([st[0], st[1], text if k is None else k])
+    if said:
         out["waits"] = said
     if first:
         out["firsts"] = [[u, text] for u, text in first.items()]

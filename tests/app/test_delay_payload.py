@@ -65,7 +65,8 @@ def test_a_chats_stall_names_the_long_prompt_and_its_chunks() -> None:
     store = fed(chapter())
     batch = LiveFeed().payload(store, None, OPTS)
     assert batch["stalls"] == [[uid, 6, 10, 0.74] for uid in range(4)]
-    assert batch["waits"] == [[uid, 6, STALL] for uid in range(4)]
+    # the same text is sent once: the other rows name the row that says it
+    assert batch["waits"] == [[0, 6, STALL], [1, 6, 0], [2, 6, 0], [3, 6, 0]]
     firsts = dict(batch["firsts"])
     assert firsts[4] == "700 ms: 700 ms own prompt [0:300] in steps 6–10"
     # a chat's first token: its share of the step that prefilled all four
@@ -98,7 +99,7 @@ def test_each_wait_is_described_once_in_the_batch_that_can_say_it() -> None:
     has the stall but not yet its text, which comes with the next batch."""
     batches = pulls(chapter())
     said = [w for b in batches for w in b.get("waits", ())]
-    assert said == [[uid, 6, STALL] for uid in range(4)]  # each once, as the whole record says
+    assert said == [[0, 6, STALL], [1, 6, 0], [2, 6, 0], [3, 6, 0]]  # each once
     stalled = next(i for i, b in enumerate(batches) if b.get("stalls"))
     assert "waits" not in batches[stalled]  # the step is folded, its tokens not yet
     assert batches[stalled + 1]["waits"] == said
@@ -107,6 +108,7 @@ def test_each_wait_is_described_once_in_the_batch_that_can_say_it() -> None:
 
 
 def test_a_stall_still_going_on_says_what_it_waited_for_so_far() -> None:
+    """Said in a batch that starts a view: a new tab's, or a paused one's."""
     msgs = chapter()
     cut = next(i for i, m in enumerate(msgs) if m["type"] == "step" and m["step"] == 9)
     batch = LiveFeed().payload(fed(msgs[:cut]), None, OPTS)  # through step 8: three chunks
@@ -114,6 +116,12 @@ def test_a_stall_still_going_on_says_what_it_waited_for_so_far() -> None:
     assert {row[4] for row in batch["ongoing"]} == {
         "444 ms: 444 ms request 4's prompt [0:192] in steps 6–8"
     }
+    # it changes every step: a live update after the first leaves it out (a paused view,
+    # which starts afresh, has it)
+    batches = pulls(msgs[:cut])
+    assert all(len(row) == 4 for b in batches[2:] for row in b.get("ongoing", ()))
+    paused = LiveFeed().payload(fed(msgs[:cut]), None, ViewOptions(500, "step", paused=True))
+    assert [row[4] for row in paused["ongoing"]] == [row[4] for row in batch["ongoing"]]
 
 
 def test_only_the_requests_with_a_lane_are_described() -> None:
@@ -162,6 +170,7 @@ def test_hovering_a_chats_stall_shows_what_it_waited_for() -> None:
         "stall: 740 ms without a token<br>it waited 740 ms:<br>"
         "· 700 ms request 4's prompt [0:300] in steps 6–10<br>· 40 ms own decode in step 11"
     )
+    assert stalls["req 3"] == stalls["req 0"]  # sent as "the text of row 0"
     chunks = [text for lane, text in drawn["prompt chunk [start:end)"] if lane == "req 4"]
     assert chunks[-1] == (
         "step 10 · prefill [256:300) · 44 tokens<br>its first token waited 700 ms:<br>"

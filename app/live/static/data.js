@@ -150,7 +150,8 @@
       const seenR = new Set(this.retractions.map((x) => x[0] + ":" + x[1]));
       for (const r of batch.retractions || []) if (!seenR.has(r[0] + ":" + r[1])) this.retractions.push(r);
       if (this.retractions.length > MAX_RETRACTIONS) this.retractions.splice(0, this.retractions.length - MAX_RETRACTIONS);
-      for (const [uid, a, text] of batch.waits || []) this.waits.set(uid + ":" + a, text);
+      const waits = batch.waits || []; // a repeated text comes as the index of its first row
+      for (const [uid, a, t] of waits) this.waits.set(uid + ":" + a, typeof t === "number" ? waits[t][2] : t);
       for (const [uid, text] of batch.firsts || []) this.firsts.set(uid, text);
       while (this.firsts.size > MAX_FIRSTS) this.firsts.delete(this.firsts.keys().next().value);
       for (const row of batch.requests || []) {
