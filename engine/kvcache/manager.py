@@ -1,7 +1,8 @@
 """KVManager: the one owner of pages. It admits requests against the pool's capacity (promising
 the pages the admission rule asks for), maps pages into the page table as chunks and decodes
-need them, takes them back when a request ends or is retracted, and proves that every page is
-exactly one of used, cached or free.
+need them, gives a running request's computed whole pages to the prefix cache after each piece
+of prompt work (locked for it), takes them back when a request ends or is retracted, and proves
+that every page is exactly one of used, cached or free.
 
 The proof has two parts. Counters kept as pages move (free, cached locked / unlocked, private to
 a row) must add up to the pool: O(rows), cheap enough for every `stats` command. The full check,
@@ -136,6 +137,7 @@ class KVManager:
         self._promised: dict[int, int] = {}  # row -> its part of `outstanding`
         self._private: dict[int, int] = {}  # row -> pages allocated to it (not from the cache)
         self._num_private = 0
+        self._matched: dict[int, int] = {}  # row -> pages its admission's prefix match served
 
     # -- admission -----------------------------------------------------------------------
     def try_admit(
@@ -164,6 +166,7 @@ class KVManager:
         self.mapped_len[row] = handle.cached_len
         self._promised[row] = need
         self._private[row] = 0
+        self._matched[row] = len(pages)
         self.outstanding += need
         return handle, row
 
@@ -208,6 +211,30 @@ class KVManager:
             self.allocator.free(self.cache.evict(short))
         return self.allocator.alloc(n)
 
+    # -- sharing while running ------------------------------------------------------------
+    def cache_running(self, row: int, handle: CacheHandle, ids: list[int], computed: int) -> None:
+        """The row's request has the KV of `ids[:computed]` (prompt work just launched): its
+        whole pages join the prefix cache, locked for it, so a request admitted from the next
+        step on matches them (SGLang's `cache_unfinished_req`). Pages the cache held already
+        (another request computed the same tokens first) are freed, and the row reads the
+        cache's instead, so the pool holds that prefix once. Those pages stop being the row's
+        own: they count as locked cache pages from now on."""
+        if not self.cache.shares_prefixes:
+            return
+        ps = self.page_size
+        start, end = handle.cached_len, computed // ps * ps
+        if end <= start:
+            return
+        pages = self.table.pages_of(row, start, end)
+        duplicates = self.cache.insert(handle, ids[:end], pages)
+        if duplicates:
+            # the step that wrote them may still run (overlap); the next one to reuse them is
+            # launched after it, on the same stream, so it writes them after that step is done
+            self.allocator.free(pages[: len(duplicates)])
+            self.table.remap(row, start, duplicates)
+        self._private[row] -= len(pages)
+        self._num_private -= len(pages)
+
     # -- release -------------------------------------------------------------------------
     def release(self, row: int, handle: CacheHandle, computed_ids: list[int]) -> None:
         """A request ended: its computed KV goes to the prefix cache (or is freed), its
@@ -217,6 +244,7 @@ class KVManager:
         self.allocator.free(self.cache.donate(handle, computed_ids, pages))
         self.outstanding -= self._promised.pop(row)
         self._num_private -= self._private.pop(row)
+        del self._matched[row]
         self.mapped_len[row] = 0
         self.table.release_row(row)
         assert len(pages) * ps >= len(computed_ids)
@@ -284,13 +312,18 @@ class KVManager:
                 state[torch.tensor(pages, dtype=torch.int64)] = 3 if locked else 1
         owner = torch.full((n,), -1, dtype=torch.int64)
         sharers = torch.zeros(n, dtype=torch.int64)
+        hit = torch.zeros(n, dtype=torch.bool)
         for row, uid in owners.items():
             pages = self.table.slots[row, : self.mapped_len[row] : ps] // ps
             if not len(pages):
                 continue
             owner[pages] = uid  # a page several requests share shows one of them
             sharers[pages] += 1  # a row maps each page once (the integrity check's rule)
+            hit[pages[: self._matched.get(row, 0)]] = True
             state[pages[state[pages] == 0]] = 2  # its own pages; locked cache pages stay shared
+        # a locked cache page that only the request which computed it maps (its prompt, given
+        # to the cache while it runs) is that request's own until another one uses it
+        state[(state == 3) & ~hit & (sharers == 1)] = 2
         change = torch.ones(n, dtype=torch.bool)
         change[1:] = (
             (state[1:] != state[:-1]) | (owner[1:] != owner[:-1]) | (sharers[1:] != sharers[:-1])
@@ -308,7 +341,8 @@ PAGE_STATES = ("free", "cached", "used", "shared")
 class PageMap:
     """The pool page by page, in page order, as runs of `[length, state, uid, sharers]`:
     `state` indexes PAGE_STATES (`cached`: only the prefix cache holds it, evictable; `shared`:
-    a prefix-cache page that requests in flight use, a radix hit), `uid` is the owning request
+    a prefix-cache page that requests in flight use: a radix hit, or a page of a running
+    request's prompt that another request maps too), `uid` is the owning request
     (-1: none; a shared page names one of its users) and `sharers` how many requests map it."""
 
     num_pages: int

@@ -6,6 +6,8 @@ from engine.kvcache.prefix import CacheHandle, PrefixCache
 
 
 class NaiveCache(PrefixCache):
+    shares_prefixes = False
+
     def match(self, ids: list[int]) -> tuple[CacheHandle, list[int]]:
         return CacheHandle(0), []
 
@@ -17,6 +19,9 @@ class NaiveCache(PrefixCache):
 
     def unlock(self, handle: CacheHandle) -> None:
         pass
+
+    def insert(self, handle: CacheHandle, ids: list[int], pages: list[int]) -> list[int]:
+        raise NotImplementedError("a NaiveCache keeps no prefix: nothing is inserted")
 
     def donate(self, handle: CacheHandle, ids: list[int], pages: list[int]) -> list[int]:
         return list(pages)

@@ -23,6 +23,9 @@ class CacheHandle:
 
 
 class PrefixCache(ABC):
+    # whether a running request's computed pages are worth inserting (`insert`) at all
+    shares_prefixes = True
+
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
 
@@ -43,6 +46,14 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def unlock(self, handle: CacheHandle) -> None: ...
+
+    @abstractmethod
+    def insert(self, handle: CacheHandle, ids: list[int], pages: list[int]) -> list[int]:
+        """A running request has computed `ids` (page-aligned, longer than `handle.cached_len`);
+        `pages` hold the KV of `ids[handle.cached_len:]`. Adds them to the cache and extends the
+        request's lock (and `handle`, in place) to all of `ids`. Returns the cache's pages for
+        the leading part of `pages` that it held already: the caller's pages there are
+        duplicates, to free, and the request must read these instead."""
 
     @abstractmethod
     def donate(self, handle: CacheHandle, ids: list[int], pages: list[int]) -> list[int]:

@@ -1,7 +1,10 @@
 """RadixCache: a radix tree of page-aligned token runs and the KV pages that hold them.
 
-Requests lock the path they matched (reference counts up to the root); unlocked leaves are
-evicted least recently used first when the pool needs pages.
+Requests lock the path they matched (reference counts up to the root). A running request's
+computed whole pages are inserted after each piece of prompt work (`insert`), and its lock moves
+down to cover them, so a request admitted later matches a prefix that is still being decoded
+from; what a request computed that the tree already holds is handed back as duplicates.
+Unlocked leaves are evicted least recently used first when the pool needs pages.
 
 Eviction keeps a heap of candidate leaves keyed by last access, with lazy invalidation: an entry
 is pushed whenever a node becomes an unlocked leaf or is touched while it is one, and an entry
@@ -46,11 +49,15 @@ class RadixCache(PrefixCache):
     def _first_page(self, ids: list[int], at: int) -> tuple[int, ...]:
         return tuple(ids[at : at + self.page_size])
 
-    def _find(self, ids: list[int]) -> tuple[Node, int, int, list[int]]:
-        """Deepest node whose path is a prefix of `ids`, without changing anything: returns it,
-        how many of its pages matched when the match ends inside it (0: all of them), the
-        matched length and the matched pages."""
-        ps, node, pos, pages = self.page_size, self.root, 0, []
+    def _find(
+        self, ids: list[int], node: Node | None = None, pos: int = 0
+    ) -> tuple[Node, int, int, list[int]]:
+        """Deepest node whose path is a prefix of `ids`, without changing anything, searching
+        below `node` (the root by default), whose path is `ids[:pos]`: returns it, how many of
+        its pages matched when the match ends inside it (0: all of them), the matched length
+        and the matched pages past `pos`."""
+        ps, pages = self.page_size, []
+        node = self.root if node is None else node
         while pos + ps <= len(ids):
             child = node.children.get(self._first_page(ids, pos))
             if child is None:
@@ -123,36 +130,60 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     # -- inserting -----------------------------------------------------------------------
-    def _insert(self, ids: list[int], pages: list[int]) -> int:
-        """Add `ids` (page-aligned) with their pages; returns how many leading tokens were
-        already cached (the caller's pages for those are duplicates)."""
-        node, split_at, pos, _ = self._find(ids)
+    def _insert(
+        self, ids: list[int], pages: list[int], node: Node, start: int
+    ) -> tuple[Node, int, list[int]]:
+        """Add `ids` (page-aligned) below `node`, whose path is `ids[:start]`; `pages` hold the
+        KV of `ids[start:]`. Returns the node whose path is all of `ids`, how many leading
+        tokens were cached already and the cache's pages for `ids[start:that]` (the caller's
+        pages for those are duplicates)."""
+        node, split_at, pos, matched = self._find(ids, node, start)
         if split_at:
             node = self._split(node, split_at)
         now = next(self._clock)
-        path = node
+        path: Node | None = node
         while path is not None:
             path.last_access = now
             path = path.parent
         if pos < len(ids):
-            leaf = Node(ids[pos:], pages[pos // self.page_size :], node)
+            leaf = Node(ids[pos:], pages[(pos - start) // self.page_size :], node)
             leaf.last_access = next(self._clock)
             node.children[self._first_page(leaf.key, 0)] = leaf
             self._evictable += len(leaf.pages)
             self._num_nodes += 1
             self._offer(leaf)
+            node = leaf
         else:
             self._offer(node)  # touched: if it is an unlocked leaf, its place in the LRU moved
-        return pos
+        return node, pos, matched
+
+    def insert(self, handle: CacheHandle, ids: list[int], pages: list[int]) -> list[int]:
+        start = handle.cached_len
+        old = handle.node
+        node, _, matched = self._insert(ids, pages, old, start)
+        # the request already holds the path down to `old`: lock only the nodes below it
+        below: Node | None = node
+        while below is not old:
+            assert below is not None, "the handle's node is not on the inserted path"
+            if below.ref == 0:
+                self._evictable -= len(below.pages)
+                self._locked += len(below.pages)
+            below.ref += 1
+            below = below.parent
+        handle.cached_len, handle.node, handle.split_at = len(ids), node, 0
+        return matched
 
     def donate(self, handle: CacheHandle, ids: list[int], pages: list[int]) -> list[int]:
         ps = self.page_size
-        aligned = len(ids) // ps
-        already = self._insert(ids[: aligned * ps], pages[:aligned])
+        aligned, start = len(ids) // ps, handle.cached_len // ps
+        # the locked path already holds ids[:cached_len]: insert below it
+        _, already, _ = self._insert(
+            ids[: aligned * ps], pages[start:aligned], handle.node, handle.cached_len
+        )
         self.unlock(handle)
         # pages [0, cached_len) came from the tree itself; those up to `already` that the
         # request computed again duplicate tree pages; the partial tail page is not shareable
-        return pages[handle.cached_len // ps : already // ps] + pages[aligned:]
+        return pages[start : already // ps] + pages[aligned:]
 
     # -- evicting ------------------------------------------------------------------------
     def _evictable_leaf(self, node: Node) -> bool:

@@ -11,6 +11,9 @@ class PageTable:
         # one spare position so a request at max_seq_len can still be written past its end
         self.slots = torch.zeros((max_running_req, max_seq_len + page_size), dtype=torch.int64)
         self._free_rows = list(range(max_running_req - 1, -1, -1))
+        # per row, how often entries it already had were pointed at other pages (`remap`):
+        # copies of the table elsewhere (other ranks) must then take the row again
+        self.remaps = [0] * max_running_req
 
     @property
     def num_free_rows(self) -> int:
@@ -25,6 +28,12 @@ class PageTable:
     def map_pages(self, row: int, start: int, pages: list[int]) -> None:
         """Give positions [start, start + len(pages) * page_size) the slots of `pages`."""
         self.map_spans([(row, start, len(pages))], pages)
+
+    def remap(self, row: int, start: int, pages: list[int]) -> None:
+        """Point positions the row already maps at `pages` instead (a running request's pages
+        that duplicate the prefix cache's, given back)."""
+        self.map_spans([(row, start, len(pages))], pages)
+        self.remaps[row] += 1
 
     def map_spans(self, spans: list[tuple[int, int, int]], pages: list[int]) -> None:
         """For each (row, start, n): positions [start, start + n * page_size) of that row get

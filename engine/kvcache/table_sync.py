@@ -2,11 +2,13 @@
 0's, by sending each step only the entries they have not seen.
 
 Rank 0's scheduler owns the page table; the other ranks need the entries of the rows a step
-uses (attention reads K and V through them). A row's entries never change while one request
-holds it (pages are only ever added after its end), so rank 0 remembers, per row, which request
-it last sent entries for and up to which position: a decode step then sends one slot per
-request, a prefix-cache hit sends the cached prefix once, and a row taken by a new request is
-sent again from position 0.
+uses (attention reads K and V through them). A row's entries rarely change while one request
+holds it: pages are added after its end, and the entries change only when the request's own
+pages turn out to duplicate the prefix cache's and are swapped for them (`PageTable.remap`). So
+rank 0 remembers, per row, which request it last sent entries for, after how many remaps, and
+up to which position: a decode step then sends one slot per request, a prefix-cache hit sends
+the cached prefix once, and a row taken by a new request, or remapped, is sent again from
+position 0.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class RowUser(Protocol):
 
 class TableSync:
     def __init__(self) -> None:
-        # row -> (tenancy, positions sent); tenancy: (uid, retractions), one admission
-        self._sent: dict[int, tuple[tuple[int, int], int]] = {}
+        # row -> ((tenancy, remaps), positions sent); tenancy: (uid, retractions), one
+        # admission; remaps: the table's count for the row when it was sent
+        self._sent: dict[int, tuple[tuple[tuple[int, int], int], int]] = {}
 
     def updates(self, reqs: list[RowUser], table: PageTable) -> tuple[list[Span], list[int]]:
         """The entries positions [0, device_len) of each request's row need and have not been
@@ -43,13 +46,14 @@ class TableSync:
         positions: list[int] = []
         for req in reqs:
             row, end = req.table_idx, req.device_len
-            tenant, sent = self._sent.get(row, ((-1, 0), 0))
-            start = sent if tenant == req.tenancy else 0
+            tenant = (req.tenancy, table.remaps[row])
+            seen, sent = self._sent.get(row, (((-1, 0), 0), 0))
+            start = sent if seen == tenant else 0
             if end > start:
                 spans.append((row, start, end - start))
                 rows += [row] * (end - start)
                 positions += range(start, end)
-                self._sent[row] = (req.tenancy, end)
+                self._sent[row] = (tenant, end)
         if not spans:
             return [], []
         # one gather for the step rather than a slice per request

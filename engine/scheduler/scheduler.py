@@ -252,11 +252,20 @@ class Scheduler:
                 self._estimated -= sampled
 
     def advance(self, batch: Batch) -> None:
-        """Right after launch: the step's KV counts as computed; finished prompts decode from
-        the next step; a request sampling its `max_tokens`-th token is not scheduled again."""
+        """Right after launch: the step's KV counts as computed, and the whole pages of its
+        prompt work join the prefix cache; finished prompts decode from the next step; a
+        request sampling its `max_tokens`-th token is not scheduled again."""
         decoding = [r for r in self.running if r.uid not in batch.decode]
         for req in batch.reqs:
             req.cached_len = req.device_len
+            if req.uid not in batch.decode:
+                # Sharing before the KV is on the device is safe: this step is launched and the
+                # next is not yet scheduled, so a request that matches these pages is admitted
+                # in a later step, which runs after this one (one stream, and every rank runs
+                # the steps in order): it reads them after this step wrote them.
+                st = req.state
+                ids = st.prompt_ids + st.output_ids if st.output_ids else st.prompt_ids
+                self.kv.cache_running(req.table_idx, req.cache_handle, ids, req.cached_len)
             if not req.can_decode:
                 continue
             st = req.state
