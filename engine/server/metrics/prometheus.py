@@ -14,6 +14,12 @@ token minus queued, ITL the gaps between one request's consecutive tokens, TPOT 
 `request_metrics`', and a decode stall (stepscope's own `decode_stall_seconds`, with its exact
 maximum `decode_stall_max_seconds`) is such a gap during which at least one step ran without the
 request (`stalled_between`: a token's step is the `step` message its `token` follows).
+
+Who delayed whom is instrumentation.delay's (docs/protocol.md, "Delay"), from the same stream:
+`output_token_prompt_delay_seconds` observes, for every output token, the seconds of the wait
+before it charged to other requests' prompt work (chunks, prefills, recomputes: the decode
+interference SGLang's users ask a metric for), and `request_waiting_seconds_total{reason}` adds
+each request's admission wait by waiting reason when it ends.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from prometheus_client.utils import floatToGoString
 if TYPE_CHECKING:
     from engine.server.metrics.vllm import HttpStats
 
+from instrumentation.delay import DelayLedger, TokenWait
 from instrumentation.metrics import request_metrics, stalled_between
 from instrumentation.protocol import ENDED_STATES, WAIT_REASONS
 
@@ -56,6 +63,8 @@ TTFT_BUCKETS = tuple(sorted({*_VLLM_TTFT, *_FINE}))
 ITL_BUCKETS = tuple(sorted({*_VLLM_ITL, *_FINE}))
 REQUEST_BUCKETS = tuple(sorted({*_VLLM_REQUEST, 0.001, 0.01, 0.05, 0.1, 0.2}))
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# a token that waited for no one's prompt lands at 0: the fraction held up is 1 - that bucket
+PROMPT_DELAY_BUCKETS = (0.0, *ITL_BUCKETS)
 COMPAT = ("vllm",)
 
 
@@ -205,6 +214,17 @@ class EngineMetrics:
         self.stall_max = g(
             "decode_stall_max_seconds", "The longest decode stall of any request so far."
         )
+        self.prompt_delay = h(
+            "output_token_prompt_delay_seconds",
+            "Per output token: seconds of the wait before it charged to other requests' prompt "
+            "work (chunks, prefills, recomputes; instrumentation.delay).",
+            PROMPT_DELAY_BUCKETS,
+        )
+        waited = ("Seconds requests waited for admission, by the queue head's waiting reason, "
+                  "added when each request ends (its delay's queue).")  # fmt: skip
+        self.waited = {r: c("request_waiting_seconds", waited) for r in WAIT_REASONS}
+        # the one definition of the delay, folded here for the per-token figure
+        self.delays = DelayLedger(on_token=self._token_wait)
         self.http: HttpStats | None = None  # set by the HTTP API under the vLLM switch
         if compat == "vllm":
             from engine.server.metrics.vllm import check_bounds
@@ -225,6 +245,11 @@ class EngineMetrics:
         for reason, gauge in self.waiting_by_reason.items():
             fam.add_metric([self._model, reason], gauge.value)
         yield fam
+        some = next(iter(self.waited.values()))
+        fam = CounterMetricFamily(PREFIX + some.name, some.doc, labels=["model_name", "reason"])
+        for reason, k in list(self.waited.items()):
+            fam.add_metric([self._model, reason], k.value)
+        yield fam
         counters = (self.prefix_queries, self.prefix_hits, self.prompt_tokens,
                     self.prompt_cached, self.generation_tokens, self.preemptions,
                     self.recomputed)  # fmt: skip
@@ -243,7 +268,7 @@ class EngineMetrics:
                  self.decode_time, self.inference_time, self.request_prompt_tokens,
                  self.request_generation_tokens, self.request_max_generation_tokens,
                  self.request_max_tokens, self.iteration_tokens, self.step_seconds,
-                 self.stall)  # fmt: skip
+                 self.stall, self.prompt_delay)  # fmt: skip
         for h in hists:
             counts, total = list(h.counts), h.sum  # a snapshot
             cum, buckets = 0, []
@@ -263,6 +288,14 @@ class EngineMetrics:
     # -- the sink (publisher thread) -----------------------------------------------------
     def __call__(self, msg: Message, _text: str = "") -> None:
         kind = msg.get("type")
+        delay = self.delays.apply(msg)  # per token: `_token_wait`
+        if delay is not None:  # a request ended
+            for reason, seconds in delay.queue.items():
+                k = self.waited.get(reason)
+                if k is None:  # a reason this engine does not name (a stream before v1.3)
+                    some = self.waited["kv"]
+                    k = self.waited[reason] = _Counter(some.name, some.doc)
+                k.inc(seconds)
         if kind == "token":
             self._token(msg)
         elif kind == "step":
@@ -295,6 +328,9 @@ class EngineMetrics:
         by_reason = (msg.get("queue") or {}).get("waiting_by_reason") or {}
         for reason, gauge in self.waiting_by_reason.items():
             gauge.set(by_reason.get(reason, 0))
+
+    def _token_wait(self, wait: TokenWait) -> None:
+        self.prompt_delay.observe(wait.by_prompt)
 
     def _token(self, msg: Message) -> None:
         self.generation_tokens.inc()

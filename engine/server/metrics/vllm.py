@@ -43,6 +43,7 @@ ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 
 ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason
 WAITING_REASONS = ("capacity", "deferred")
+CACHE_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")  # vLLM's tiers
 
 
 def one_two_five(max_value: int) -> tuple[int, ...]:
@@ -132,6 +133,16 @@ def vllm_families(m: EngineMetrics) -> Iterator[Metric]:
         PREFIX + "prompt_tokens_cached", "Prompt tokens served by the prefix cache.", labels=LABELS
     )
     fam.add_metric(lab, m.prompt_cached.value)
+    yield fam
+    # vLLM's cache tiers: this engine's prefix cache lives with the model (`device`), it has no
+    # host, peer or disk tier; the sources add up to prompt_tokens_cached, as vLLM's do
+    fam = CounterMetricFamily(
+        PREFIX + "prompt_tokens_cached_by_source",
+        "Prompt tokens served by a cache, by the tier that held them.",
+        labels=[*LABELS, "source"],
+    )
+    for source in CACHE_SOURCES:
+        fam.add_metric([*lab, source], m.prompt_cached.value if source == "device" else 0)
     yield fam
     # caches this engine does not have: there at 0, as a real vLLM without them exports them
     for name, doc in (("external_prefix_cache", "a KV connector's cross-instance cache"),
