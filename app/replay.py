@@ -25,8 +25,9 @@ from app.client import LinkStatus, NotConnected
 from app.state import EventStore, Message
 from instrumentation.trace import parse_lines as trace_lines
 
-MIN_SPEED = 1.0
-MAX_SPEED = 50.0
+SPEEDS = (1, 2, 5, 10, 20, 50)  # the speeds a player offers
+MIN_SPEED = float(SPEEDS[0])
+MAX_SPEED = float(SPEEDS[-1])
 PLAY_TICK_S = 0.05  # how often the player folds what the recording's clock has reached
 
 

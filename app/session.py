@@ -22,6 +22,7 @@ import streamlit as st
 
 from app import controls
 from app.client import EngineLink, NotConnected
+from app.replay import SPEEDS
 from app.state import Message, Snapshot
 from app.workloads import PROMPT_PRESET, PresetRun
 
@@ -34,7 +35,6 @@ DEFAULT_BUDGET = 256
 ALL_STEPS = 20_000  # "all": what the store keeps
 MAX_NOTICES = 6
 MAX_RUNS = 4
-SPEEDS = (1, 2, 5, 10, 20, 50)  # replay speeds (app.replay's MIN_SPEED..MAX_SPEED)
 
 T = TypeVar("T")
 

@@ -33,9 +33,8 @@ from app.live.component import recording_charts
 from app.live.feed import Recorded
 from app.page import fleet as fleet_ui
 from app.panels import captions
-from app.replay import MAX_SPEED, MIN_SPEED
+from app.replay import SPEEDS
 
-SPEEDS = (1, 2, 5, 10, 20, 50)
 PLAY_REFRESH_S = 0.5
 CHARTS_LINK = "fleet-replay"  # the replicas' charts zoom and pan together
 # how long the last drawing of each recording's charts took: while playing they are redrawn
@@ -43,7 +42,6 @@ CHARTS_LINK = "fleet-replay"  # the replicas' charts zoom and pan together
 # charts take a while to encode, and the page must keep time for the scrubber and the clicks)
 _DRAW_S: dict[str, float] = {}
 NO_ENGINE = "a replay has no engine to act on (clear the fleet recording to go back to engines)."
-assert MIN_SPEED == SPEEDS[0] and MAX_SPEED == SPEEDS[-1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,10 @@ import streamlit as st
 from app import controls, panels, session, sidebar
 from app.live.component import LIVE_EVERY_S
 from app.page import common
-from app.replay import MAX_SPEED, MIN_SPEED, ReplayLink, ReplaySource
+from app.replay import SPEEDS, ReplayLink, ReplaySource
 
-SPEEDS = session.SPEEDS
 REFRESH_S = sidebar.REFRESH_S
 NO_ENGINE = "a recording has no engine to act on (close it to go back to the engine)."
-assert MIN_SPEED == SPEEDS[0] and MAX_SPEED == SPEEDS[-1]
 
 
 def _source() -> ReplaySource | None:

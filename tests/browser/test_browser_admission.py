@@ -24,7 +24,7 @@ TRACE_POINTS_JS = """([sel, name]) => {
     return t && t.x ? t.x.length : 0;
 }"""
 KV = ".stepscope-live .sl-kv"
-# the hover texts of the waiting lanes: each says why the queue waited
+# the hover texts of the waiting lanes: each says, step by step, why the queue's head waited
 WAIT_HOVER_JS = f"""() => {{
     const gd = document.querySelector('{TIMELINE}');
     const t = gd && gd.data ? gd.data.find(t => t.name === 'waiting') : null;
@@ -82,9 +82,7 @@ def test_kv_pressure_preset_under_both_admission_modes(tiny_llama_dir: Path) -> 
         assert not any(s.get("retracted") for s in steps)
         assert "reserved" in {s["queue"]["waiting_reason"] for s in steps}
         page.wait_for_function(f"() => ({TRACE_POINTS_JS})(['{TIMELINE}', 'retracted']) === 0")
-        page.wait_for_function(
-            f"() => ({WAIT_HOVER_JS})().some(h => h.includes('waits: reserved'))"
-        )
+        page.wait_for_function(f"() => ({WAIT_HOVER_JS})().some(h => /: reserved/.test(h))")
         _view(page, "kv")
         page.wait_for_function(f"() => ({TRACE_POINTS_JS})(['{KV}', 'pool full']) === 0")
         if SHOTS:

@@ -7,6 +7,7 @@ aborts or retractions)."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -384,3 +385,36 @@ def test_random_traffic_with_a_long_shared_prompt_leaks_nothing(seed: int) -> No
     assert st.used == 0 and st.free + st.cached == st.total
     assert kv.flush_cache() == st.cached and kv.allocator.num_free == kv.num_pages
     assert hits > 0 and sched.num_retractions > 0
+
+
+def test_the_shared_system_prompt_preset_is_served_from_the_cache(tiny_llama_dir) -> None:
+    """The page's "Shared system prompt" preset, played as the page plays it on a fresh engine
+    (the first question, its first token, then the other four): every request after the first
+    reuses the system prompt's whole pages while the first is still decoding."""
+    from app.workloads import PRESETS_BY_KEY, AwaitTokens, Submit
+
+    llm = LLM(model=str(tiny_llama_dir), max_seq_len=1024, progress=False)
+    ev = Events()
+    llm.add_event_hook(ev)
+    uids: list[int] = []
+    for action in PRESETS_BY_KEY["shared"].actions:
+        if isinstance(action, Submit):
+            params = SamplingParams(max_tokens=action.max_tokens, ignore_eos=True)
+            uids.append(llm.submit(action.prompt, params, chat=action.chat))
+        elif isinstance(action, AwaitTokens):
+            while len([t for t in ev.tokens if t.uid in uids]) < action.tokens * len(uids):
+                llm.step()
+    while llm.has_work():
+        llm.step()
+    prompts = {e.uid: e.fields["prompt_len"] for e in ev.requests("queued")}
+    ids = [llm.encode(a.prompt) for a in PRESETS_BY_KEY["shared"].actions if isinstance(a, Submit)]
+    shared = len(os.path.commonprefix(ids))
+    assert shared >= 400 and all(prompts[u] > shared for u in uids)
+    cached = {e.uid: e.fields["cached_len"] for e in ev.requests("admitted")}
+    aligned = shared // llm.page_size * llm.page_size
+    assert cached[uids[0]] == 0
+    assert all(cached[u] >= aligned for u in uids[1:]), (cached, aligned)
+    # the first was still running when the others were admitted: shared while running
+    ended = {e.uid for e in ev.requests("finished")}
+    assert ended == set(uids)
+    llm.check_integrity()
