@@ -1,10 +1,11 @@
 """The live charts' view model: recorded step messages → compact columns, new steps only.
 
 `StepEncoder.encode(steps, ended)` turns the steps after the browser's cursor into one batch of
-columns the browser appends (app/live/static/live.js draws them). Everything a chart shows is
-decided here, from the messages alone: each item's place in the step's stack, per-step totals
-for the zoomed-out level of detail, and which decoding requests a step left out (stalls, by the
-protocol's rule: `instrumentation.metrics.stalled_between`, the one definition every view uses).
+columns the browser appends (app/live/static/data.js keeps them, the charts draw them). Everything
+a chart shows is decided here, from the messages alone: each item's place in the step's stack,
+per-step totals for the zoomed-out level of detail, and which decoding requests a step left out
+(stalls, by the protocol's rule: `instrumentation.metrics.stalled_between`, the one definition
+every view uses).
 The encoder carries only what spans batches (each decoding request's last token), so its work
 is proportional to the new steps, never to what is in view. It is pure: tested without a
 browser (tests/app/test_app_live.py).
@@ -293,7 +294,7 @@ ITEM_FIELDS = ("i", "uid", "kind", "a", "b", "base", "w")
 def unpack(packed: Sequence[Mapping[str, Any]], ref: Mapping[int, int]) -> dict[str, list]:
     """The item columns of `encode` from its packed steps, given the decode stack before them
     (`ref`: uid -> next position, in stack order). The browser runs the same steps
-    (unpackItems in live.js); this one is the format's definition, for the tests."""
+    (unpackItems in static/data.js); this one is the format's definition, for the tests."""
     stack = dict(ref)
     items: dict[str, list] = {k: [] for k in ITEM_FIELDS}
     for i, pk in enumerate(packed):
@@ -329,7 +330,7 @@ def compact_columns(cols: Mapping[str, list]) -> dict[str, Any]:
 
 
 def expand_columns(cols: Mapping[str, Any]) -> dict[str, list]:
-    """The inverse of `compact_columns` (the browser's expandColumns in live.js)."""
+    """The inverse of `compact_columns` (the browser's expandColumns in static/data.js)."""
     n = max((len(c) for c in cols.values() if isinstance(c, list)), default=0)
     return {k: c if isinstance(c, list) else [c] * n for k, c in cols.items()}
 

@@ -181,7 +181,7 @@ def default_splits(batch: int, kv_heads: int, sms: int) -> int:
 
 def config_for(batch: int, kv_heads: int, group: int, head_dim: int, sms: int) -> Config:
     """The configuration of an untuned device: CUDA cores, as measured best at batch 1 on the
-    H200 (call Q, docs/benchmarks.md)."""
+    H200 (`python -m bench.gpu --sections kernels`)."""
     return Config(default_splits(batch, kv_heads, sms), min(32, block_n_limit(group, head_dim)))
 
 
