@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-static-batches", default="1,64", help="decode: HF's static cache "
                     "(compiled on first use, minutes); empty: skip it")  # fmt: skip
     ap.add_argument("--no-warmup", action="store_true", help="skip FlashInfer's JIT warm-up")
+    ap.add_argument("--fa3", action="store_true", help="build Hopper's fa3 prefill and its "
+                    "page-index module in the warm-up too (minutes)")  # fmt: skip
     return ap
 
 
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         r.say(f"\nFlashInfer: {missing}. The engine runs torch attention; what compares against "
               "FlashInfer is skipped.\n")  # fmt: skip
     elif not args.no_warmup:
-        times = jit_warmup()
+        times = jit_warmup(fa3=args.fa3)
         r.data["warmup_s"] = times
         r.table("FlashInfer JIT builds", ["module", "seconds"], [[k, v] for k, v in times.items()])
     for name in [s for s in SECTIONS if s in wanted]:
