@@ -53,7 +53,7 @@ def model_path(name: str, tmp: Path) -> str:
     (a directory as an absolute path, so a server started elsewhere finds it)."""
     if name != "tiny":
         return str(Path(name).resolve()) if Path(name).is_dir() else name
-    from engine.checks.models import make_tiny
+    from checks.models import make_tiny
     from engine.models.loader import resolve
 
     return str(make_tiny("llama", tmp / "tiny", resolve("smollm2", progress=False).path))

@@ -20,8 +20,8 @@ import sys
 from typing import Any
 
 from bench.common import notes_prompts
+from checks.greedy import compare_greedy, last_logits, rel_err, trace_run
 from engine import LLM, SamplingParams
-from engine.checks.greedy import compare_greedy, last_logits, rel_err, trace_run
 
 RESIDUALS = {"bf16 residual": None, "float32 residual": "float32"}
 

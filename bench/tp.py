@@ -49,8 +49,8 @@ from bench.gpu.common import (
     weight_bytes,
 )
 from bench.gpu.real_weights import smollm2_path
+from checks.greedy import compare_greedy, trace_run
 from engine import LLM
-from engine.checks.greedy import compare_greedy, trace_run
 from instrumentation.sampling import SamplingParams
 
 # random-weight models sample ids the bundled tokenizer does not know (the worker ranks, which

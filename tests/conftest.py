@@ -18,14 +18,17 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
-# The browser tests in two queues, by file (about equal time each). Each drives an engine, a
-# Streamlit server and chromium, and spends most of its time waiting on the page (a CI run used
-# 1.45 of its 2 cores), so one queue per worker keeps both busy; all in one queue made the
-# browser tests the suite's long pole (350-460 s of a 570 s run).
+# The browser tests in three queues, by file (about equal time each). Each drives an engine, a
+# Streamlit server and chromium, and spends most of its time waiting on the page, so the
+# queues run beside each other and beside the CPU-bound tests (three workers on two cores); one
+# or two queues made the browser tests the suite's long pole.
 BROWSER_QUEUES = {
     "test_browser_live.py": "browser-a",
     "test_browser_first_minute.py": "browser-a",
     "test_browser_watch.py": "browser-a",
+    "test_browser.py": "browser-c",
+    "test_browser_fleet.py": "browser-c",
+    "test_browser_admission.py": "browser-c",
 }
 
 

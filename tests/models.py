@@ -1,6 +1,6 @@
-"""Tiny random-weight Hugging Face models for tests: engine.checks.models, which the scripts
+"""Tiny random-weight Hugging Face models for tests: checks.models, which the scripts
 share (scripts never import tests)."""
 
-from engine.checks.models import ARCHS, TINY_COMMON, make_tiny, make_wide_model
+from checks.models import ARCHS, TINY_COMMON, make_tiny, make_wide_model
 
 __all__ = ["ARCHS", "TINY_COMMON", "make_tiny", "make_wide_model"]

@@ -11,8 +11,8 @@ import torch
 
 from bench.gpu.common import free, rand_ids
 from bench.gpu.hf import logits_rows, logits_rows_hf
+from checks.greedy import LogitTap, compare_greedy, rel_err, trace_run
 from engine import LLM
-from engine.checks.greedy import LogitTap, compare_greedy, rel_err, trace_run
 from instrumentation.sampling import SamplingParams
 
 CHUNK_PROMPTS = 32  # prompts of the chunked-against-unchunked comparison

@@ -45,7 +45,7 @@ POOL: dict[str, Any] = {"page_size": 16, "num_pages": 4096}
 
 def wide_model(tmp: Path) -> Path:
     """A 4-layer random Qwen3 with FlashInfer-sized heads and clear greedy margins."""
-    from engine.checks.models import make_wide_model
+    from checks.models import make_wide_model
     from engine.models.loader import resolve
 
     return make_wide_model(tmp / "wide", resolve("smollm2", progress=False).path, num_layers=4)

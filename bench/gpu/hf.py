@@ -15,8 +15,8 @@ from transformers import LogitsProcessor
 
 from bench.gpu import common
 from bench.gpu.common import NEW_TOKENS, PROMPT_LEN, QWEN, QWEN_VOCAB, rand_ids
+from checks.greedy import rel_err, trace_run
 from engine import LLM
-from engine.checks.greedy import rel_err, trace_run
 from instrumentation.sampling import SamplingParams
 
 

@@ -11,7 +11,7 @@ import torch
 
 from bench.gpu import common
 from bench.gpu.common import QWEN_VOCAB, Report, copy_bandwidth, free
-from engine.checks.greedy import rel_err
+from checks.greedy import rel_err
 from engine.kvcache.pool import KVPool
 
 GEMV_SHAPES = {  # the Qwen3-0.6B shape's weights, [N, K]

@@ -29,9 +29,9 @@ from bench.gpu.compare import (
     phase_trace,
 )
 from bench.gpu.hf import bf16_rounded, hf_logits
+from checks.greedy import TIE_NOISE, Trace, tie_margin, trace_run
+from checks.kernels import gemv_pinned
 from engine import LLM
-from engine.checks.greedy import TIE_NOISE, Trace, tie_margin, trace_run
-from engine.checks.kernels import gemv_pinned
 from engine.models.kernels import DECODE_KERNELS, set_unfused
 from engine.models.loader import BUNDLED_NAME, cache_root, convert_gguf
 from instrumentation.sampling import SamplingParams

@@ -23,8 +23,8 @@ from tests.engine.triton_env import (  # first: it sets TRITON_INTERPRET without
 
 pytest.importorskip("triton")
 
+from checks.greedy import compare_greedy, rel_err, trace_run  # noqa: E402
 from engine.attention.base import BatchLayout  # noqa: E402
-from engine.checks.greedy import compare_greedy, rel_err, trace_run  # noqa: E402
 from engine.kvcache.pool import KVPool  # noqa: E402
 from engine.kvcache.table import PageTable  # noqa: E402
 from instrumentation.sampling import SamplingParams  # noqa: E402
@@ -172,7 +172,7 @@ def test_attention_ignores_chunking_and_batch(heads: tuple[int, int, int], page_
 # -- the engine -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    from engine.checks.models import make_wide_model
+    from checks.models import make_wide_model
     from tests.models import make_tiny
 
     if CUDA:  # FlashInfer-sized heads and bf16 margins, as the other GPU tests

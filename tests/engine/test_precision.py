@@ -19,8 +19,8 @@ import statistics
 import pytest
 import torch
 
+from checks.greedy import last_logits, rel_err
 from engine import LLM
-from engine.checks.greedy import last_logits, rel_err
 
 
 @pytest.fixture

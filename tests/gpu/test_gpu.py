@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from engine.checks.greedy import (
+from checks.greedy import (
     LogitTap,
     compare_greedy,
     rel_err,
     trace_run,
 )
-from engine.checks.kernels import gemv_pinned
-from engine.checks.models import make_wide_model
+from checks.kernels import gemv_pinned
+from checks.models import make_wide_model
 
 pytestmark = [
     pytest.mark.gpu,
