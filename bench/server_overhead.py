@@ -11,6 +11,10 @@ them and fans them out to a connected client in another process that reads and p
 message; `--clients N` connects N of them (`--no-client`: none), and `--metrics-every S` scrapes
 the API process's /metrics every S seconds throughout. Rounds alternate bare/server in ABBA
 order, so a drift of the machine's speed hits both alike.
+
+`--against no-delays`: what naming the delays costs. The bare rounds are served too, by a second
+server over the same engine started with `--no-delays` (no `delay` in end events, none on
+/metrics); both get the same clients and scrapes, so the ratio is the attribution's alone.
 """
 
 from __future__ import annotations
@@ -107,46 +111,56 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
 def _overhead(args: argparse.Namespace, path: str) -> dict[str, Any]:
     import torch
 
+    from bench.gpu.common import fold_random_ids
     from engine import LLM, SamplingParams
     from engine.server import build, build_parser
+
+    fold_random_ids(args.load_format)
 
     llm = LLM(path, max_running_req=args.max_running,
               device=args.device, load_format=args.load_format, policy=args.policy,
               max_extend_tokens=args.budget, progress=False)  # fmt: skip
-    server = build(llm, build_parser().parse_args(["--model", path, "--port", "0",
-                                                   "--http-port", "0"]))  # fmt: skip
-    instrumented = False
+    base_argv = ["--model", path, "--port", "0", "--http-port", "0"]
+    server = build(llm, build_parser().parse_args(base_argv))
+    # the baseline: the engine alone, or a second server that names no delays
+    base = (build(llm, build_parser().parse_args([*base_argv, "--no-delays"]))
+            if args.against == "no-delays" else None)  # fmt: skip
+    served = [s for s in (server, base) if s is not None]
+    active: Any = None  # the server of this round; None: the engine alone
 
     def hook(ev: Any) -> None:  # off during bare rounds: one call and a test per event
-        if instrumented:
-            server.loop.on_event(ev)
+        if active is not None:
+            active.loop.on_event(ev)
 
     def wait_hook() -> None:  # as the server's loop: events go out while the device works
-        if instrumented:
-            server.loop.flush()
+        if active is not None:
+            active.loop.flush()
 
     llm.add_event_hook(hook)
     llm.add_wait_hook(wait_hook)
-    if not server.start():  # the API process: WebSocket, HTTP and /metrics
-        raise SystemExit("the API process did not start")
-    scraper = None
+    for s in served:
+        if not s.start():  # the API process: WebSocket, HTTP and /metrics
+            raise SystemExit("the API process did not start")
+    scrapers = []
     if args.metrics_every > 0:
-        assert server.urls.get("http")
-        scraper = Scraper(f"{server.urls['http']}/metrics", args.metrics_every)
+        for s in served:
+            assert s.urls.get("http")
+            scrapers.append(Scraper(f"{s.urls['http']}/metrics", args.metrics_every))
     clients = []
-    for _ in range(0 if args.no_client else args.clients):
-        client = subprocess.Popen(
-            [sys.executable, "-m", "bench.server_overhead", "--read", str(server.urls["ws"])],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT,
-        )  # fmt: skip
-        assert client.stdout is not None and client.stdout.readline().strip() == "connected"
-        clients.append(client)
+    for s in served:
+        for _ in range(0 if args.no_client else args.clients):
+            client = subprocess.Popen(
+                [sys.executable, "-m", "bench.server_overhead", "--read", str(s.urls["ws"])],
+                stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            )  # fmt: skip
+            assert client.stdout is not None and client.stdout.readline().strip() == "connected"
+            clients.append(client)
     lengths = parse_lengths(args.lengths)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
     def run(mode: str, seed: int) -> Round:
-        nonlocal instrumented
-        instrumented = mode == "server"
+        nonlocal active
+        active = server if mode == "server" else base
         rng = random.Random(seed)  # fresh prompts each round: no prefix-cache hits
         for n in lengths:
             llm.submit([rng.randrange(3, llm.info.vocab_size) for _ in range(n)], params)
@@ -154,12 +168,13 @@ def _overhead(args: argparse.Namespace, path: str) -> dict[str, Any]:
         start = time.perf_counter()
         while llm.has_work():
             t = time.perf_counter()
-            record = server.loop.run_once() if instrumented else llm.step()
+            record = active.loop.run_once() if active is not None else llm.step()
             if record is not None:
                 rnd.step_seconds += time.perf_counter() - t
                 rnd.steps += 1
         rnd.wall_seconds = time.perf_counter() - start
-        server.loop.flush()  # as the server does when the engine goes idle
+        if active is not None:
+            active.loop.flush()  # as the server does when the engine goes idle
         return rnd
 
     run("bare", 0)  # warm-up
@@ -167,9 +182,10 @@ def _overhead(args: argparse.Namespace, path: str) -> dict[str, Any]:
     for k in range(args.pairs):
         order = ("bare", "server") if k % 2 == 0 else ("server", "bare")
         rounds += [run(mode, 1000 + 2 * k + j) for j, mode in enumerate(order)]
-    if scraper is not None:
+    for scraper in scrapers:
         scraper.stop()
-    server.close()
+    for s in served:
+        s.close()
     delivered = sum(int(c.communicate(timeout=60)[0].strip() or 0) for c in clients)
 
     print(f"\nmodel {llm.info.model} on {llm.info.device}, torch threads {torch.get_num_threads()}; "
@@ -179,7 +195,8 @@ def _overhead(args: argparse.Namespace, path: str) -> dict[str, Any]:
         mine = [r for r in rounds if r.mode == mode]
         step_ms = statistics.median(1e3 * r.step_seconds / r.steps for r in mine)
         wall = statistics.median(r.wall_seconds for r in mine)
-        rows.append([mode, len(mine), mine[0].steps, step_ms, wall])
+        label = "server --no-delays" if mode == "bare" and base is not None else mode
+        rows.append([label, len(mine), mine[0].steps, step_ms, wall])
     print(table(["mode", "rounds", "steps", "median step ms", "median round s"], rows))
     # Each pair ran back to back, so its ratio is the least disturbed by other load on the host.
     pairs = [(rounds[i], rounds[i + 1]) for i in range(0, len(rounds), 2)]
@@ -188,11 +205,13 @@ def _overhead(args: argparse.Namespace, path: str) -> dict[str, Any]:
         / (a.step_seconds if a.mode == "bare" else b.step_seconds)
         for a, b in pairs
     ]
-    print("\nstep-time ratio server/bare per pair: " + " ".join(f"{r:.3f}" for r in ratios))
+    print(
+        f"\nstep-time ratio server/{args.against} per pair: " + " ".join(f"{r:.3f}" for r in ratios)
+    )
     print(f"median ratio: {statistics.median(ratios):.4f}")
     print(f"messages delivered to {len(clients)} connected client(s): {delivered}")
-    if scraper is not None:
-        print(f"/metrics scrapes during the rounds: {scraper.count}")
+    if scrapers:
+        print(f"/metrics scrapes during the rounds: {sum(s.count for s in scrapers)}")
     return {
         "rows": rows,
         "server_over_bare": ratios,
@@ -212,6 +231,12 @@ def add_arguments(o: argparse.ArgumentParser) -> None:
                    "'256,64' or '512x64' (64 prompts of 512 tokens), or both mixed")  # fmt: skip
     o.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     o.add_argument("--no-client", action="store_true", help="serve, but connect no client")
+    o.add_argument(
+        "--against",
+        choices=("bare", "no-delays"),
+        default="bare",
+        help="the baseline rounds: the engine alone, or a server with --no-delays",
+    )
     o.add_argument("--clients", type=int, default=1, help="WebSocket clients that read it all")
     o.add_argument(
         "--metrics-every",

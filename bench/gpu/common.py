@@ -87,6 +87,14 @@ class FoldedDetokenizer(IncrementalDetokenizer):
         return super().push(token_id % self.vocab if self.vocab else token_id)
 
 
+def fold_random_ids(load_format: str) -> None:
+    """Under random weights (`dummy`), the engine detokenizes through `FoldedDetokenizer`."""
+    if load_format == "dummy":
+        import engine.step
+
+        engine.step.IncrementalDetokenizer = FoldedDetokenizer  # type: ignore[misc]
+
+
 def flashinfer_missing() -> str | None:
     """Why FlashInfer cannot run here, or None when it imports."""
     try:

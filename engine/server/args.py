@@ -89,6 +89,10 @@ class ServerArgs(EngineConfig):
         None, "also export vLLM's metric names (vllm:), labels and buckets, so vLLM's Grafana "
         "dashboards work unchanged", choices=("vllm",), noun="metrics compat",
     )  # fmt: skip
+    delays: bool = setting(
+        True, "name who delayed each request (instrumentation.delay): the `delay` of its end "
+        "event and /metrics' delay series; --no-delays leaves both out",
+    )  # fmt: skip
     generation_config: str = setting(
         "auto", "auto: the model's generation_config.json sampling defaults apply to requests "
         "that leave a field out; vllm: OpenAI's defaults (vLLM's switch)",

@@ -108,6 +108,7 @@ def api_settings(args: Args, directory: str) -> dict[str, Any]:
         "metrics_token": getattr(args, "metrics_token", None),
         "metrics_compat": getattr(args, "metrics_compat", None),
         "generation_config": getattr(args, "generation_config", "auto"),
+        "delays": getattr(args, "delays", True),
     }
 
 

@@ -62,6 +62,7 @@ class ApiServer:
                 metrics_token=settings.get("metrics_token"),
                 generation_config=settings["generation_config"],
                 metrics_compat=settings.get("metrics_compat"),
+                delays=settings.get("delays", True),
             )  # fmt: skip
             sinks.extend(self.http.sinks)  # its router and Prometheus metrics see every message
         config = PublisherConfig(
@@ -71,7 +72,10 @@ class ApiServer:
             client_queue=settings["client_queue"], drop_limit=settings["client_drop_limit"],
             socket_buffer=settings.get("client_socket_buffer"),
         )  # fmt: skip
-        self.publisher = Publisher(config, hello=self.hello, sinks=sinks, loads=ipc.loads)
+        self.publisher = Publisher(
+            config, hello=self.hello, sinks=sinks, loads=ipc.loads,
+            delays=settings.get("delays", True),
+        )  # fmt: skip
         from engine.server.commands import CommandHandler
 
         self.publisher.on_frame = CommandHandler(engine, self.publisher).on_frame

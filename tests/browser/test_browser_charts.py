@@ -197,6 +197,7 @@ def test_charts_mounted_afresh_while_paused_draw_the_frozen_view(page: object) -
     # zoomable, and the zoom holds while the engine runs on behind the frozen charts
     last = int(paused["last"])
     _zoom(page, last - 40.5, last - 10.5)
+    _wait(page, f"Math.abs(s.range[0] - {last - 40.5}) < 1e-3")  # drawn zoomed
     _click(page, "More steps")
     page.wait_for_timeout(2_000)  # a full run and its answer
     held = _state(page)

@@ -49,6 +49,15 @@ def test_each_output_token_observes_the_prompt_work_it_waited_for() -> None:
     assert s[f"{name}_bucket{{le=0.1}}"] == 4
 
 
+def test_no_delays_leaves_the_delay_series_empty_and_the_rest_counted() -> None:
+    m = EngineMetrics("m", delays=False)  # the server's --no-delays
+    feed(m, chat_and_long_prompt())
+    s = samples(m)
+    assert s["stepscope:output_token_prompt_delay_seconds_count{}"] == 0
+    assert s["stepscope:request_waiting_seconds_total{reason=budget}"] == 0
+    assert s["stepscope:generation_tokens_total{}"] == 4
+
+
 def test_the_admission_wait_is_counted_by_reason_as_each_request_ends() -> None:
     m = EngineMetrics("m")
     msgs = chat_and_long_prompt()

@@ -120,7 +120,8 @@ class EngineMetrics:
     """
 
     def __init__(
-        self, model_name: str, compat: str | None = None, max_model_len: int = 8192
+        self, model_name: str, compat: str | None = None, max_model_len: int = 8192,
+        delays: bool = True,
     ) -> None:
         from engine.server.metrics.vllm import one_two_five
 
@@ -224,7 +225,7 @@ class EngineMetrics:
                   "added when each request ends (its delay's queue).")  # fmt: skip
         self.waited = {r: c("request_waiting_seconds", waited) for r in WAIT_REASONS}
         # the one definition of the delay, folded here for the per-token figure
-        self.delays = DelayLedger(on_token=self._token_wait)
+        self.delays = DelayLedger(on_token=self._token_wait) if delays else None
         self.http: HttpStats | None = None  # set by the HTTP API under the vLLM switch
         if compat == "vllm":
             from engine.server.metrics.vllm import check_bounds
@@ -288,7 +289,7 @@ class EngineMetrics:
     # -- the sink (publisher thread) -----------------------------------------------------
     def __call__(self, msg: Message, _text: str = "") -> None:
         kind = msg.get("type")
-        delay = self.delays.apply(msg)  # per token: `_token_wait`
+        delay = self.delays.apply(msg) if self.delays is not None else None  # per token
         if delay is not None:  # a request ended
             for reason, seconds in delay.queue.items():
                 k = self.waited.get(reason)

@@ -506,6 +506,7 @@ def build_http_api(
     metrics_token: str | None = None,
     generation_config: str = "auto",
     metrics_compat: str | None = None,
+    delays: bool = True,
 ) -> HttpApi:
     """The API for `python -m engine.server`: `model_arg` (the --model given) is accepted as a
     model name besides the engine's own. `generation_config`: `auto` applies the model's
@@ -525,5 +526,5 @@ def build_http_api(
     config = HttpConfig(host=host, port=port, token=token, allowed_origins=allowed_origins,
                         max_waiting=max_waiting, model_names=names, metrics_token=metrics_token,
                         sampling_defaults=defaults)  # fmt: skip
-    metrics = EngineMetrics(engine.info.model, metrics_compat, engine.info.max_seq_len)
+    metrics = EngineMetrics(engine.info.model, metrics_compat, engine.info.max_seq_len, delays)
     return HttpApi(engine, config, metrics, app)
