@@ -120,7 +120,10 @@ class EngineMetrics:
     """
 
     def __init__(
-        self, model_name: str, compat: str | None = None, max_model_len: int = 8192,
+        self,
+        model_name: str,
+        compat: str | None = None,
+        max_model_len: int = 8192,
         delays: bool = True,
     ) -> None:
         from engine.server.metrics.vllm import one_two_five
