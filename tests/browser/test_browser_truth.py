@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, running_app, running_engine
+from tests.browser.test_browser import act_until
 
 pytestmark = [
     pytest.mark.browser,
@@ -94,15 +95,12 @@ def test_a_bad_form_value_is_refused_with_a_message(page: object) -> None:
 def test_an_emptied_or_lettered_budget_box_is_refused(page: object) -> None:
     """Letters (or an empty box) and Enter used to set the budget to 1."""
     box = page.locator(".st-key-budget_exact input")  # type: ignore[attr-defined]
-    for attempt in range(3):  # a rerun in flight as Enter lands redraws the box (a loaded CI)
+
+    def enter_48() -> None:
         box.fill("48")
         box.press("Enter")
-        try:
-            expect(page.get_by_text("max_extend_tokens=48")).to_be_visible(timeout=20_000)
-            break
-        except AssertionError:
-            if attempt == 2:
-                raise
+
+    act_until(enter_48, page.get_by_text("max_extend_tokens=48"))  # type: ignore[attr-defined]
     for typed in ("abc", ""):
         box.fill(typed)
         box.press("Enter")
