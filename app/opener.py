@@ -44,6 +44,7 @@ def open_source(recording: Recording) -> ReplaySource:
     src.seek_end()
     session.REPLAY_SOURCE.set(src)
     session.REPLAY_ERROR.pop()
+    session.NOTICES.pop()  # the status line spoke of the page left behind
     if recording.last_step is not None:
         session.REPLAY_STEP.set(recording.last_step)
     session.reset_views()
@@ -54,6 +55,7 @@ def close_source() -> None:
     old = session.REPLAY_SOURCE.pop()
     if old is not None:
         old.pause()
+    session.NOTICES.pop()
     session.reset_views()
 
 

@@ -293,6 +293,20 @@ def test_the_page_replays_a_trace_through_the_live_charts(replay_app: AppTest, r
     assert got["packed"] == want["packed"] and got["steps"] == want["steps"]
 
 
+def test_opening_a_recording_drops_the_notices_of_the_page_left(
+    replay_app: AppTest, runs: dict
+) -> None:
+    from app.session import Notice
+
+    at = replay_app.run()
+    at.session_state["notices"] = [Notice(True, "history cleared (the engine keeps running)")]
+    at.run()
+    assert any("history cleared" in s.value for s in at.success)  # shown while it applies
+    at.text_input(key="replay_path").input(str(runs["b"])).run()
+    assert not at.exception, at.exception
+    assert not any("history cleared" in s.value for s in at.success)
+
+
 def test_the_page_plays_the_recording_from_its_start(replay_app: AppTest, runs: dict) -> None:
     at = replay_app.run()
     at.select_slider(key="replay_speed").set_value(50).run()
