@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from instrumentation.fold import Fold, RequestRecord, Summary, _summary
+from instrumentation.fold import Fold, Summary, _summary
+from instrumentation.request_record import RequestRecord
 
 Message = dict[str, Any]
 

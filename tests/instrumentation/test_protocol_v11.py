@@ -15,8 +15,9 @@ import pytest
 from app.client import EngineLink
 from app.state import EventStore
 from instrumentation import messages
-from instrumentation.fold import Fold, Gap
+from instrumentation.fold import Fold
 from instrumentation.publisher import Publisher, PublisherConfig
+from instrumentation.request_record import Gap
 from tests.server.test_server_support import ProtoClient, stuck_client
 
 Msg = dict[str, Any]
