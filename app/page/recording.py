@@ -25,7 +25,10 @@ def _source() -> ReplaySource | None:
 
 
 def _on_scrub() -> None:
-    if (src := _source()) is not None:
+    # While playing the slider is disabled and moved only by the replay; a change that arrives
+    # then is the browser sending back a value it showed a moment ago, behind the replay (seen:
+    # the replay thrown back to its first step, or to where it was 100 steps before)
+    if (src := _source()) is not None and not src.playing:
         src.seek(int(session.REPLAY_STEP.get() or 0))
 
 
@@ -66,8 +69,9 @@ def player(src: ReplaySource) -> None:
     cols = st.columns([7, 1.2, 2.2])
     if rec.num_steps >= 2:
         cols[0].slider("Step", min_value=rec.first_step, max_value=rec.last_step,
-                       key=session.REPLAY_STEP.key, on_change=_on_scrub,
-                       help="Show the recording as it stood when this step had run.")  # fmt: skip
+                       key=session.REPLAY_STEP.key, on_change=_on_scrub, disabled=src.playing,
+                       help="Show the recording as it stood when this step had run (Pause "
+                       "to move it).")  # fmt: skip
     else:
         cols[0].caption(f"{rec.num_steps} step(s) recorded.")
     cols[1].button(

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import streamlit as st
@@ -305,6 +306,37 @@ def test_opening_a_recording_drops_the_notices_of_the_page_left(
     at.text_input(key="replay_path").input(str(runs["b"])).run()
     assert not at.exception, at.exception
     assert not any("history cleared" in s.value for s in at.success)
+
+
+def test_a_step_the_browser_sends_back_while_playing_does_not_move_the_replay(
+    replay_app: AppTest, runs: dict
+) -> None:
+    """While playing, the browser sent back slider values a moment behind the replay, and the
+    slider's callback threw the replay back to them (to its first step, or 100 steps back). Now
+    the slider is disabled while playing and its callback ignores them; paused, a scrub moves
+    the replay."""
+    rec = Recording.load(runs["a"])
+    src = ReplaySource(rec, clock=lambda: 0.0, threaded=False)  # a clock that stands still
+    at = replay_app.run()
+    at.session_state["replay_source"] = src
+    mid = rec.first_step + 5
+    src.seek(mid)
+    src.play(1.0)
+    at.run()
+    assert at.slider(key="replay_step").disabled  # moved by the replay alone
+    # what the browser sends back then reaches the slider's callback, which leaves the replay
+    from app.page import recording
+
+    with pytest.MonkeyPatch.context() as mp:
+        step = SimpleNamespace(get=lambda: rec.first_step)
+        mp.setattr(recording, "session", SimpleNamespace(REPLAY_STEP=step))
+        mp.setattr(recording, "_source", lambda: src)
+        recording._on_scrub()
+    assert src.playing and src.current_step == mid
+    src.pause()
+    at.run()
+    at.slider(key="replay_step").set_value(rec.first_step).run()  # paused: a scrub
+    assert src.current_step == rec.first_step
 
 
 def test_the_page_plays_the_recording_from_its_start(replay_app: AppTest, runs: dict) -> None:

@@ -150,10 +150,13 @@ def test_the_replay_scrubber_follows_playback(page: object, served: dict) -> Non
     """Playing at 50× from the first step, the slider and its caption move with the charts (the
     slider stayed put); Pause pauses where it is (it restarted from the first step)."""
     box = page.locator(".st-key-replay_path input")  # type: ignore[attr-defined]
-    box.fill(str(served["trace"]))
-    box.press("Enter")
+
+    def open_trace() -> None:
+        box.fill(str(served["trace"]))
+        box.press("Enter")
+
     caption = page.get_by_text(re.compile(r"Replay of `?run\.jsonl`?: step \d+"))  # type: ignore[attr-defined]
-    expect(caption).to_be_visible()
+    act_until(open_trace, caption)
     thumb = page.locator(".st-key-replay_step input[type='range']")  # type: ignore[attr-defined]
     thumb.focus()
     thumb.press("Home")
@@ -188,5 +191,15 @@ def test_the_replay_scrubber_follows_playback(page: object, served: dict) -> Non
         speed.focus()
         speed.press("End")
         page.get_by_role("button", name="Play").click()  # type: ignore[attr-defined]
-        page.wait_for_timeout(600)  # type: ignore[attr-defined]
+        # a moment well into the run when a redraw has reached the caption and the headline too (Streamlit draws
+        # a rerun's elements top to bottom, so the slider is ahead of them for a moment)
+        page.wait_for_function(  # type: ignore[attr-defined]
+            """() => {
+                const t = document.querySelector(".st-key-replay_step input[type='range']");
+                const m = document.body.innerText.match(/: step (\\d+) of /);
+                const h = document.body.innerText.match(/#(\\d+)\\s/);
+                return t && m && h && Number(m[1]) > 100 && Number(t.value) === Number(m[1])
+                    && m[1] === h[1];
+            }"""
+        )
         shot(page, "replay-50x.png")
