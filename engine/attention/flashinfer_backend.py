@@ -2,7 +2,7 @@
 
 Each step is planned once from CPU index arrays built off the page table: the prefill wrapper
 (causal, queries aligned to the end of each request's KV, so a chunk after a cached prefix is the
-same call as a fresh prompt) serves prefill and mixed steps; the decode wrapper serves steps where
+same kernel launch as a fresh prompt) serves prefill and mixed steps; the decode wrapper serves steps where
 every request adds one token. For CUDA graphs the backend also hands out one decode
 wrapper per captured batch size, bound to fixed index buffers that `plan_graph` refills; where
 the head shape allows, a graph decodes instead through the one-launch split-KV kernel of
@@ -68,8 +68,8 @@ class FlashInferAttention(AttentionBackend):
     prefill_split_kv: bool = True
     # FlashInfer's prefill kernel family: "fa2" (the default: its module also serves the
     # tensor-core decode wrapper, one JIT build for both) or "fa3" (Hopper's wgmma/TMA kernels,
-    # a second JIT build; no split-KV). scripts/bench_prefill_gpu.py's `piecewise-fa3` sets it;
-    # on the H200 (issue 29, call AC) that engine gave no step within 100 s: not diagnosed.
+    # a second JIT build, minutes: `python -m bench.gpu --fa3` builds it ahead; no split-KV). On
+    # the H200 an engine that built it inside its first step gave no step within 100 s.
     prefill_backend: str = "fa2"
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:

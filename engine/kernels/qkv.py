@@ -78,7 +78,7 @@ def _qkv_epilogue_kernel(
 
 # Warps per (token, head) program. One warp would cover a 128-wide head, but on the H200 a
 # 512-token chunk's epilogue took the same time at 1 warp as at 4 (0.570 against 0.571 ms a step
-# for 28 layers, issue 29's call 2): its time is the wait for the projection before it, which
+# for 28 layers): its time is the wait for the projection before it, which
 # it overlaps under programmatic dependent launch. Kept at Triton's default.
 NUM_WARPS = 4
 
