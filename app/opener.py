@@ -69,6 +69,7 @@ def _load(what: str, path_or_file: Any) -> Recording | None:
 
 def _on_open_path() -> None:
     path = str(session.REPLAY_PATH.get() or "").strip()
+    session.REPLAY_PATH_TRIED.set(path)
     if path and (rec := _load("Open recording", Path(path).expanduser())) is not None:
         open_source(rec)
 
@@ -133,6 +134,11 @@ def sidebar() -> None:
         pending = trace_argument()
     if pending is not None and (rec := _load("Open recording", Path(pending))) is not None:
         open_source(rec)
+    # A path entered while a fragment of the live page reran reached the box's value without
+    # its on_change (the box showed it, nothing opened, and Enter again changed nothing): a
+    # value not yet acted on is acted on here
+    if str(session.REPLAY_PATH.get() or "").strip() != session.REPLAY_PATH_TRIED.get():
+        _on_open_path()
     with st.sidebar:
         st.subheader("Recording")
         src = source()

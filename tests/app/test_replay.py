@@ -294,6 +294,19 @@ def test_the_page_replays_a_trace_through_the_live_charts(replay_app: AppTest, r
     assert got["packed"] == want["packed"] and got["steps"] == want["steps"]
 
 
+def test_a_path_that_reached_the_box_without_its_callback_is_opened(
+    replay_app: AppTest, runs: dict
+) -> None:
+    """A path entered while a fragment reran reached the box's value but not its on_change:
+    the box showed it and nothing opened."""
+    at = replay_app.run()
+    assert at.session_state["replay_source"].recording.name == runs["a"].name
+    at.session_state["replay_path"] = str(runs["b"])  # the value, as a fragment run leaves it
+    at.run()
+    assert not at.exception, at.exception
+    assert at.session_state["replay_source"].recording.name == runs["b"].name
+
+
 def test_opening_a_recording_drops_the_notices_of_the_page_left(
     replay_app: AppTest, runs: dict
 ) -> None:
