@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.common import flat, prompt_of, table
-from bench.gpu.common import fold_random_ids
 from instrumentation.delay import delays_of
 from instrumentation.fold import Fold
 from instrumentation.protocol import POLICY_NAMES
@@ -146,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from bench.gpu.common import fold_random_ids  # torch: not for --help
+
     fold_random_ids(args.load_format)
     settings: dict[str, Any] = dict(device=args.device, load_format=args.load_format)
     if args.dtype:

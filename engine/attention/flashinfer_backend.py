@@ -1,9 +1,9 @@
 """FlashInferAttention: paged attention on CUDA through FlashInfer's prefill and decode wrappers.
 
 Each step is planned once from CPU index arrays built off the page table: the prefill wrapper
-(causal, queries aligned to the end of each request's KV, so a chunk after a cached prefix is the
-same kernel launch as a fresh prompt) serves prefill and mixed steps; the decode wrapper serves steps where
-every request adds one token. For CUDA graphs the backend also hands out one decode
+(causal, queries aligned to the end of each request's KV, so a chunk after a cached prefix is
+planned as a fresh prompt is) serves prefill and mixed steps; the decode wrapper serves steps
+where every request adds one token. For CUDA graphs the backend also hands out one decode
 wrapper per captured batch size, bound to fixed index buffers that `plan_graph` refills; where
 the head shape allows, a graph decodes instead through the one-launch split-KV kernel of
 engine/kernels/decode.py (FlashInfer's decode is a kernel and a merge a layer), from index

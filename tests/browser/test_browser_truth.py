@@ -195,8 +195,8 @@ def test_the_replay_scrubber_follows_playback(page: object, served: dict) -> Non
         speed.focus()
         speed.press("End")
         page.get_by_role("button", name="Play").click()  # type: ignore[attr-defined]
-        # a moment well into the run when a redraw has reached the caption and the headline too (Streamlit draws
-        # a rerun's elements top to bottom, so the slider is ahead of them for a moment)
+        # a moment well into the run when a redraw has reached the caption and the headline too
+        # (Streamlit draws a rerun's elements top to bottom: the slider is ahead for a moment)
         page.wait_for_function(  # type: ignore[attr-defined]
             """() => {
                 const t = document.querySelector(".st-key-replay_step input[type='range']");
