@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,22 @@ def hostile_frames(rng: random.Random, n: int) -> list[tuple[str | bytes, str | 
     return frames
 
 
+# What a client that never reads may cost: the server keeps at most QUEUE messages for it and
+# disconnects it once it has lost DROP_LIMIT. Small, so the stuck-client test pumps few messages;
+# a reading client never comes near them (its kernel buffers alone hold far more), nor do the
+# replies to the hostile frames, which a reading client drains as they come.
+QUEUE = 512
+DROP_LIMIT = 5 * QUEUE  # past what the stuck client loses while its bound is checked
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
-    with running_server(tiny_llama_dir, "--max-running-req", "8") as srv:
+    # One server for every hostile client: the stuck-client test's settings (a naive cache keeps
+    # its traffic steady; a small kernel buffer per client fills within a few dozen steps) change
+    # nothing the other tests check.
+    with running_server(tiny_llama_dir, "--max-running-req", "16", "--cache-type", "naive",
+                        "--client-queue", str(QUEUE), "--client-drop-limit", str(DROP_LIMIT),
+                        "--client-socket-buffer", "65536") as srv:  # fmt: skip
         yield srv
 
 
@@ -142,6 +156,7 @@ def test_hostile_frames_get_errors_and_the_engine_carries_on(server: ServerProce
     assert done["output_len"] >= 1
     stats = c.stats()
     assert stats["engine_errors"] == 0 and stats["integrity"] == "ok"
+    c.close()
 
 
 def test_an_oversized_frame_closes_only_that_connection(server: ServerProcess) -> None:
@@ -152,6 +167,22 @@ def test_an_oversized_frame_closes_only_that_connection(server: ServerProcess) -
         c.until(lambda m: False, timeout=60)
     assert info.value.rcvd is not None and info.value.rcvd.code == 1009
     assert bystander.stats()["integrity"] == "ok"
+    bystander.close()
+
+
+def test_extreme_but_valid_sampling_values_leave_the_engine_running(server: ServerProcess) -> None:
+    c = server.client()  # the module's server: one start fewer
+    extremes: list[dict[str, Any]] = [
+        {"temperature": 1e308}, {"temperature": 1e-300}, {"temperature": 5e-324},
+        {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 1.0, "top_k": VOCAB},
+        {"temperature": 1.0, "top_k": 1}, {"temperature": 0.7, "seed": 2**63 - 1},
+    ]  # fmt: skip
+    for k, fields in enumerate(extremes):
+        uid = submit_ok(c, f"x{k}", prompt="Hello", max_tokens=3, **fields)
+        c.until(lambda m, u=uid: m.get("event") == "finished" and m["uid"] == u, timeout=60)
+    stats = c.stats()
+    assert stats["engine_errors"] == 0 and stats["integrity"] == "ok"
+    c.close()
 
 
 class Feeder:
@@ -203,64 +234,49 @@ class Feeder:
 
 
 def test_a_client_that_never_reads_costs_the_engine_nothing_until_it_is_dropped(
-    tiny_llama_dir: Path,
+    server: ServerProcess,
 ) -> None:
     # Not a comparison of step rates, which a busy 2-core machine can miss by any margin, but
     # the mechanism that makes a stuck client harmless: the engine hands messages over without
     # waiting (`publish()`), and the server keeps at most --client-queue of them for a client
     # that does not read; every later one for it is dropped. So the engine never waits for it,
     # and what it costs the server is bounded; once it has lost --client-drop-limit messages it
-    # is disconnected. A naive cache keeps the traffic steady. A small kernel buffer per client
-    # (--client-socket-buffer; the OS's grows to megabytes) fills within a few dozen steps.
-    queue = 1024  # enough for the reading client to lag a busy machine's hiccups by
-    limit = 10 * queue  # past what the stuck client loses while the bound is checked below
-    with running_server(tiny_llama_dir, "--max-running-req", "16", "--cache-type", "naive",
-                        "--client-queue", str(queue), "--client-drop-limit", str(limit),
-                        "--client-socket-buffer", "65536") as server:  # fmt: skip
-        feeder = Feeder(server.client(), width=16)
-        feeder.steps_ahead(20)  # warm up
-        before = feeder.stats()
-        stuck = stuck_client(server.port)
-        while (full := feeder.stats())["dropped"] == before["dropped"]:  # its buffers filled
-            # the server's keepalive closes a peer that never answers pings (about 40 s)
-            assert full["clients"] == 2, "the stuck client was closed before its buffers filled"
-            feeder.steps_ahead(10)
-        first = len(feeder.steps)
-        while (s := feeder.stats())["messages_published"] < full["messages_published"] + 8 * queue:
-            feeder.steps_ahead(10)
-        assert s["clients"] == 2 and s["engine_errors"] == 0 and s["slow_disconnects"] == 0
-        published = s["messages_published"] - full["messages_published"]
-        dropped = s["dropped"] - full["dropped"]
-        # the stuck client was sent nothing more: at most its queue's worth was still kept
-        # while `published` (over 8 queues' worth) went by, the rest dropped
-        assert published - queue <= dropped <= published, (published, dropped)
-        assert len(feeder.steps) - first >= 50  # and the engine kept stepping meanwhile
-        # past the drop limit the server disconnects it
-        while (s := feeder.stats())["slow_disconnects"] == 0:
-            assert s["clients"] == 2, "the stuck client was closed before it was dropped"
-            feeder.steps_ahead(10)
-        assert is_reset(stuck, timeout=30)
-        stuck.close()
-        while (s := feeder.stats())["clients"] != 1:
-            feeder.steps_ahead(5)
-        assert s["slow_disconnects"] == 1  # the stuck client, never the reader
-        numbers = [m["step"] for m in feeder.steps]
-        assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # reader lost none
-        assert s["integrity"] == "ok" and s["engine_errors"] == 0
-
-
-def test_extreme_but_valid_sampling_values_leave_the_engine_running(server: ServerProcess) -> None:
-    c = server.client()  # the module's server: one start fewer
-    extremes: list[dict[str, Any]] = [
-        {"temperature": 1e308}, {"temperature": 1e-300}, {"temperature": 5e-324},
-        {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 1.0, "top_k": VOCAB},
-        {"temperature": 1.0, "top_k": 1}, {"temperature": 0.7, "seed": 2**63 - 1},
-    ]  # fmt: skip
-    for k, fields in enumerate(extremes):
-        uid = submit_ok(c, f"x{k}", prompt="Hello", max_tokens=3, **fields)
-        c.until(lambda m, u=uid: m.get("event") == "finished" and m["uid"] == u, timeout=60)
-    stats = c.stats()
-    assert stats["engine_errors"] == 0 and stats["integrity"] == "ok"
+    # is disconnected. Last in this module: it leaves requests running.
+    feeder = Feeder(server.client(), width=16)
+    feeder.steps_ahead(20)  # warm up
+    deadline = time.monotonic() + 60  # generous: never a speed assertion
+    while (before := feeder.stats())["clients"] != 1:  # the earlier tests' clients are gone
+        assert time.monotonic() < deadline, before["clients"]
+        feeder.steps_ahead(5)
+    stuck = stuck_client(server.port)
+    while (full := feeder.stats())["dropped"] == before["dropped"]:  # its buffers filled
+        # the server's keepalive closes a peer that never answers pings (about 40 s)
+        assert full["clients"] == 2, "the stuck client was closed before its buffers filled"
+        feeder.steps_ahead(10)
+    first = len(feeder.steps)
+    while (s := feeder.stats())["messages_published"] < full["messages_published"] + 3 * QUEUE:
+        feeder.steps_ahead(10)
+    assert s["clients"] == 2 and s["engine_errors"] == 0 and s["slow_disconnects"] == 0
+    published = s["messages_published"] - full["messages_published"]
+    dropped = s["dropped"] - full["dropped"]
+    # the stuck client was sent nothing more: at most its queue's worth was still kept while
+    # `published` (over 3 queues' worth) went by, the rest dropped
+    assert published - QUEUE <= dropped <= published, (published, dropped)
+    assert len(feeder.steps) - first >= 50  # and the engine kept stepping meanwhile
+    # past the drop limit the server disconnects it
+    while (s := feeder.stats())["slow_disconnects"] == 0:
+        assert s["clients"] == 2, "the stuck client was closed before it was dropped"
+        feeder.steps_ahead(10)
+    assert s["dropped"] - before["dropped"] > DROP_LIMIT  # it was the limit that was hit
+    assert is_reset(stuck, timeout=30)
+    stuck.close()
+    while (s := feeder.stats())["clients"] != 1:
+        feeder.steps_ahead(5)
+    assert s["slow_disconnects"] == 1  # the stuck client, never the reader
+    numbers = [m["step"] for m in feeder.steps]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # reader lost none
+    assert s["integrity"] == "ok" and s["engine_errors"] == 0
+    feeder.c.close()
 
 
 def submit_ok(c: ProtoClient, cid: str, **fields: Any) -> int:
