@@ -73,6 +73,7 @@ class Delta:
 
     cursor: int  # pass it back to the next `delta()`
     reset: bool  # the history was replaced (resync or new engine): redraw from `steps`
+    history: int  # the version the current history began at: one number per history
     steps: list[Message]  # step messages after the cursor, oldest first
     requests: list[Message]  # request records changed since the cursor
     engine: dict[str, Any] | None
@@ -310,6 +311,7 @@ class EventStore:
             return Delta(
                 cursor=self._version,
                 reset=reset,
+                history=self._reset_version,
                 steps=steps,
                 requests=records,
                 engine=dict(fold.engine) if fold.engine is not None else None,

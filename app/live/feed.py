@@ -25,6 +25,7 @@ MAX_WAIT_TEXTS = 300  # waits a batch describes at most (a reset over many stall
 class Delta(Protocol):
     cursor: int
     reset: bool
+    history: int  # the same number for every delta of one history (until cleared or replaced)
     steps: list[dict]
     requests: list[dict]
     engine: dict | None
@@ -50,6 +51,7 @@ class WaitSource(Protocol):
 class _Whole:
     cursor: int
     reset: bool
+    history: int
     steps: list[dict]
     requests: list[dict]
     engine: dict | None
@@ -67,7 +69,7 @@ class Recorded:
     config: dict | None = None
 
     def delta(self, cursor: int | None, metrics: bool = True) -> Delta:
-        return _Whole(0, True, self.steps, self.requests, self.engine, self.config)
+        return _Whole(0, True, 0, self.steps, self.requests, self.engine, self.config)
 
     def wait_for_step(self, after: int, timeout: float) -> bool:
         return False  # nothing more will come
@@ -105,13 +107,10 @@ class LiveFeed:
         self._narrow(opts.window)
         if opts.paused:
             return self._paused(store, have, entry, opts)
-        # A view we do not know (a new tab, a remount, another source) starts a new history:
-        # a zoom it kept belongs to what it drew before.
-        if entry is None:
-            return self._batch(store, None, StepEncoder(), have, opts, new_history=True)
-        # A wider window needs steps the browser dropped: start again (the same history).
-        if entry[2] < opts.window:
-            return self._batch(store, None, StepEncoder(), have, opts, new_history=False)
+        # A view we do not know (a new tab, a remount, another source), or a wider window
+        # (it needs steps the browser dropped): start again from the store's steps.
+        if entry is None or entry[2] < opts.window:
+            return self._batch(store, None, StepEncoder(), have, opts)
         cursor, encoder, _ = entry
         return self._batch(store, cursor, encoder.copy(), have, opts)
 
@@ -128,13 +127,11 @@ class LiveFeed:
         """A paused view keeps what it drew; one that holds nothing we know (mounted afresh
         while paused: the pause banner moves the charts down the page) or needs more (a wider
         window) gets the frozen view: the steps this feed had sent when the charts froze."""
-        replaced = entry is None or _replaced(store, entry[0])
-        if not replaced and entry is not None and entry[2] >= opts.window:
+        if entry is not None and entry[2] >= opts.window and not _replaced(store, entry[0]):
             return {"id": have, "base": have, "paused": True, "window": opts.window,
                     "xmode": opts.xmode}  # fmt: skip
-        frozen = self._frozen_at(store)
         return self._batch(
-            store, None, StepEncoder(), have, opts, new_history=replaced, through=frozen
+            store, None, StepEncoder(), have, opts, through=self._frozen_at(store)
         )
 
     def _frozen_at(self, store: DeltaSource) -> tuple[int, int, float] | None:
@@ -154,15 +151,11 @@ class LiveFeed:
         encoder: StepEncoder,
         have: int | None,
         opts: ViewOptions,
-        new_history: bool | None = None,
         through: tuple[int, int, float] | None = None,
     ) -> dict[str, Any]:
-        """`new_history`: the browser must forget its zoom too (None: when the store's history
-        was replaced since `cursor`). `through`: only the steps up to a frozen view's last
-        one, and the batch continues from that view's cursor."""
+        """`through`: only the steps up to a frozen view's last one, and the batch continues
+        from that view's cursor."""
         delta = store.delta(cursor, metrics=False)  # the charts need no per-request metrics
-        if new_history is None:
-            new_history = cursor is not None and delta.reset
         reset = cursor is None or delta.reset or len(delta.steps) >= opts.window
         if reset and cursor is not None:
             encoder = StepEncoder()
@@ -198,8 +191,12 @@ class LiveFeed:
         # what the browser keeps between batches is sent when it changed, not every time
         if reset:
             out["reset"] = True
-        if reset and new_history:
-            out["new_history"] = True  # cleared, a new engine, another source: drop the zoom
+        if reset:
+            # which history the steps belong to: the browser keeps the user's zoom over a reset
+            # of the history it drew (a wider window, a view drawn again) and drops it for
+            # another (cleared, a new engine, another source). It decides, not this feed: a
+            # rerun may answer from bookkeeping older than what the browser drew.
+            out["history"] = f"{id(store):x}.{delta.history}"
         if opts.paused:
             out["paused"] = True  # a page opened while paused draws, but does not pull
         if rows := encoder.request_rows(requests, MAX_REQUESTS):

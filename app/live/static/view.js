@@ -66,6 +66,7 @@
       this.inflight = false;
       this.view = "timeline";
       this.revision = 0; // a new history (cleared, a new engine) starts a new zoom state
+      this.history = undefined; // the history of the steps drawn (a reset batch names it)
       this.mount = Math.random().toString(36).slice(2); // tells this view's pulls from an earlier one's
       this.style = null;
       this.engine = {};
@@ -141,9 +142,13 @@
         if (data.reset) this.rec = new Record();
         applied = this.rec.apply(data, this.windowSteps);
         performance.measure("stepscope-apply", { start, end: performance.now() });
-        // a new history (Clear history, a new engine) is not where the user had zoomed: the
-        // charts autorange to it, and so they do when a reset left nothing in the zoomed range
-        if (applied && data.reset && (data.new_history || this.zoomMissesData())) this.revision++;
+        // another history (Clear history, a new engine, another source) is not where the user
+        // had zoomed: the charts autorange to it, and so they do when a reset of the same
+        // history left nothing in the zoomed range
+        if (applied && data.reset) {
+          if (data.history !== this.history || this.zoomMissesData()) this.revision++;
+          this.history = data.history;
+        }
         if (applied) {
           this.id = data.id;
           this.updates++;
