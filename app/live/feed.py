@@ -130,9 +130,7 @@ class LiveFeed:
         if entry is not None and entry[2] >= opts.window and not _replaced(store, entry[0]):
             return {"id": have, "base": have, "paused": True, "window": opts.window,
                     "xmode": opts.xmode}  # fmt: skip
-        return self._batch(
-            store, None, StepEncoder(), have, opts, through=self._frozen_at(store)
-        )
+        return self._batch(store, None, StepEncoder(), have, opts, through=self._frozen_at(store))
 
     def _frozen_at(self, store: DeltaSource) -> tuple[int, int, float] | None:
         """(cursor, last step, its end) of the newest batch sent, while the store's history is
