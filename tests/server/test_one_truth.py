@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.test_openai_api import ApiServer, scrape, stop
+from tests.server.test_server_lifecycle import port_is_free
 from tests.server.test_server_support import Msg, ProtoClient
 
 # One xdist worker runs this module, so its module-scoped server is set up once (tests spread
@@ -118,9 +119,21 @@ def recorded(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         c.close()
         metrics = scrape(server)  # the exporter saw each message before any client did
     finally:
-        stop(server)  # flushes the trace
+        stop(server)  # SIGTERM, which flushes the trace
     msgs = [json.loads(line) for line in trace.read_text().splitlines()]
-    yield {"msgs": msgs, "runs": runs, "metrics": metrics}
+    yield {"msgs": msgs, "runs": runs, "metrics": metrics, "seen": c.seen,
+           "port_free_after_stop": port_is_free(server.port)}  # fmt: skip
+
+
+def test_sigterm_frees_the_port_and_the_trace_holds_what_a_client_saw(recorded: dict) -> None:
+    """A clean SIGTERM stop with the HTTP API on (`stop` checked its status and stderr); the
+    SIGINT stop without it is test_server_lifecycle's."""
+    assert recorded["port_free_after_stop"]
+    msgs = recorded["msgs"]
+    assert msgs[0]["type"] == "hello" and msgs[0]["engine"]["vocab_size"] == 49152
+    broadcasts = ("step", "token", "request", "config")  # this run sets the policy
+    assert {m["type"] for m in msgs[1:]} == set(broadcasts)
+    assert msgs[1:] == [m for m in recorded["seen"] if m["type"] in broadcasts]
 
 
 def test_finished_max_stall_is_the_protocols_stall(recorded: dict) -> None:
