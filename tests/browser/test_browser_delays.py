@@ -34,14 +34,17 @@ STALL_PRESET = "Long prompt vs. chatting requests"
 FLAGS = ("--max-extend-tokens", "64", "--policy", "prefill_first", "--max-running-req", "8",
          "--max-seq-len", "2048", "--threads", "1", "--http-port", "none")  # fmt: skip
 
-# The middle of a red stall segment whose hover names request `uid`'s prompt: its place on the
-# screen, its lane, and the text the page put in it.
+# The middle of a red stall segment whose largest cause (a wait's causes come largest first:
+# "it waited 38 ms:<br>· 31 ms request 9's prompt [512:768] in steps 812–814<br>· 7 ms own
+# decode ...") is request `uid`'s prompt: its place on the screen, its lane, and the text the page put in it. A chat's
+# gap may also hold another chat's prompt, larger there than the long prompt's chunk.
 STALL_JS = """(uid) => {
     const gd = document.querySelector('.stepscope-live .sl-timeline');
     if (!gd || !gd._fullLayout || !gd.data) return null;
     const t = gd.data.find((t) => t.name === 'stall (no token this step)');
     if (!t || !t.customdata) return null;
-    const k = t.customdata.findIndex((c) => c.includes(`request ${uid}'s prompt`));
+    const first = new RegExp(`it waited [^:]*:<br>· [0-9.]+ m?s request ${uid}'s prompt `);
+    const k = t.customdata.findIndex((c) => first.test(String(c)));
     if (k < 0) return null;
     const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis2, box = gd.getBoundingClientRect();
     return { x: box.left + xa._offset + xa.l2p(t.base[k] + t.x[k] / 2),
@@ -117,6 +120,10 @@ def test_a_stalled_gap_names_what_it_waited_for(page: object) -> None:
                        r" in (steps? [\d–]+)", text)  # fmt: skip
     assert causes is not None, text
     assert int(causes[3]) == long and int(causes[4]) < int(causes[5])
+    # and the causes the label lists come largest first
+    shown = [float(v) * (1e-3 if unit == "ms" else 1.0)
+             for v, unit in re.findall(r"· ([\d.]+) (m?s) ", text)]  # fmt: skip
+    assert shown == sorted(shown, reverse=True), text
     # the headline names the worst stall's main cause: a prompt, the long one's or, where a
     # chat's stall came mostly from the chats' own prefills (the machine's timing), a chat's
     headline = page.get_by_text(re.compile(r"Worst stall: .* request \d+'s prompt"))  # type: ignore[attr-defined]
