@@ -23,29 +23,11 @@ from websockets.exceptions import InvalidStatus
 
 from engine.detokenizer import StopMatcher
 from engine.server.openai.schema import ApiError, parse_request
-from tests.server.test_server_support import ServerProcess
+from tests.server.test_server_support import MAX_RUNNING, MAX_WAITING, ApiServer, stop
 
-# One xdist worker runs this module, so its module-scoped server is set up once (tests spread
-# over both workers had each worker set up its own).
-pytestmark = pytest.mark.xdist_group("test_openai_api")
-
-MAX_RUNNING = 8
-MAX_WAITING = 32
-
-
-class ApiServer(ServerProcess):
-    """The server subprocess, also reading the HTTP API's ready line (printed right after the
-    WebSocket's)."""
-
-    http_url: str
-
-    def _wait_ready(self, timeout: float = 300.0) -> str:
-        url = super()._wait_ready(timeout)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line.startswith("stepscope HTTP API at "), line
-        self.http_url = line.split(" at ", 1)[1].strip()
-        return url
+# One xdist worker runs this module and test_server, so the server they share is set up once
+# (tests spread over both workers had each worker set up its own).
+pytestmark = pytest.mark.xdist_group("shared_server")
 
 
 def start(model: Path, *extra: str) -> ApiServer:
@@ -54,20 +36,11 @@ def start(model: Path, *extra: str) -> ApiServer:
     )
 
 
-def stop(server: ApiServer) -> None:
-    code, err = server.stop()
-    assert "Traceback" not in err, err
-    assert "did not stop" not in err, err  # the API process ends after the engine's END
-    assert code == 0, err
-
-
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[ApiServer]:
-    srv = start(tiny_llama_dir, "--metrics-compat", "vllm")
-    try:
-        yield srv
-    finally:
-        stop(srv)
+def server(shared_server: ApiServer) -> ApiServer:
+    """The server test_server's synchronous-engine runs use too (tests/server/conftest.py): one
+    start fewer."""
+    return shared_server
 
 
 @pytest.fixture

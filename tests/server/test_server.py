@@ -1,42 +1,45 @@
 """`python -m engine.server` end to end: a real server subprocess, real WebSocket clients.
 
-One tiny-model server is shared by this module's tests; each test uses fresh random token ids so
-the prefix cache of an earlier test never changes what a later one sees (unless it means to).
+Each test runs against the synchronous engine (the server test_openai_api shares, see
+tests/server/conftest.py) and against an overlapped one of this module's own; each test uses
+fresh random token ids so the prefix cache of an earlier test never changes what a later one sees
+(unless it means to).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from instrumentation import PROTOCOL_MINOR
-from tests.server.test_server_support import Msg, ProtoClient, ServerProcess, running_server
+from tests.server.test_server_support import (
+    MAX_RUNNING,
+    MAX_WAITING,
+    SHARED_FLAGS,
+    Msg,
+    ProtoClient,
+    ServerProcess,
+    running_server,
+)
 
-# One xdist worker runs this module, so its module-scoped server is set up once (tests spread
-# over both workers had each worker set up its own).
-pytestmark = pytest.mark.xdist_group("test_server")
-
-MAX_RUNNING = 4
-MAX_WAITING = 6
+# One xdist worker runs this module and test_openai_api, so the server they share is set up once
+# (tests spread over both workers had each worker set up its own).
+pytestmark = pytest.mark.xdist_group("shared_server")
 
 
 @pytest.fixture(scope="module", params=["--no-overlap", "--overlap"])
-def server(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     """Each test runs against the synchronous engine and the overlapped one (step N+1 launched
-    before step N's tokens are read), which CUDA uses by default."""
-    with running_server(
-        tiny_llama_dir,
-        "--max-running-req",
-        str(MAX_RUNNING),
-        "--max-waiting",
-        str(MAX_WAITING),
-        request.param,
-    ) as srv:
-        srv.overlap = request.param == "--overlap"  # type: ignore[attr-defined]
+    before step N's tokens are read), which CUDA uses by default; both with the same limits."""
+    if request.param == "--no-overlap":
+        yield request.getfixturevalue("shared_server")
+        return
+    tiny_llama_dir = request.getfixturevalue("tiny_llama_dir")
+    with running_server(tiny_llama_dir, *SHARED_FLAGS, request.param) as srv:
+        srv.overlap = True  # type: ignore[attr-defined]
         yield srv
 
 

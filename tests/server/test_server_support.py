@@ -187,6 +187,37 @@ def running_server(
         assert code == 0, err
 
 
+class ApiServer(ServerProcess):
+    """The server subprocess, also reading the HTTP API's ready line (printed right after the
+    WebSocket's)."""
+
+    http_url: str
+
+    def _wait_ready(self, timeout: float = 300.0) -> str:
+        url = super()._wait_ready(timeout)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("stepscope HTTP API at "), line
+        self.http_url = line.split(" at ", 1)[1].strip()
+        return url
+
+
+def stop(server: ServerProcess) -> None:
+    """SIGTERM, and the clean exit it must give."""
+    code, err = server.stop()
+    assert "Traceback" not in err, err
+    assert "did not stop" not in err, err  # the API process ends after the engine's END
+    assert code == 0, err
+
+
+# The limits of the server that test_openai_api and test_server's synchronous-engine runs share
+# (tests/server/conftest.py): sixteen concurrent streams fit, and filling it is still quick.
+MAX_RUNNING = 8
+MAX_WAITING = 32
+SHARED_FLAGS = ("--max-running-req", str(MAX_RUNNING), "--max-waiting", str(MAX_WAITING),
+                "--metrics-compat", "vllm")  # fmt: skip
+
+
 def test_the_api_process_collects_garbage_only_while_the_engine_is_quiet() -> None:
     """Automatic collection is off while serving (a full one stalled every stream at once);
     a collection runs once events pause, and at the latest after MAX_EVERY_S of load."""
