@@ -58,7 +58,6 @@ STEPS = int(os.environ.get("STEPSCOPE_BROWSER_STEPS", "600"))
 REQUESTS = 64
 MEASURE_S = 12.0
 # the keeps-up test's window: 10-15 page updates at the rates it sees (1.9-3 a second)
-KEEP_UP_WINDOW_MS = 5_000
 SHOTS = os.environ.get("STEPSCOPE_SCREENSHOTS")  # a folder: README screenshots are saved there
 
 LIVE = ".stepscope-live"
@@ -119,16 +118,6 @@ class FrameMeter:
         t1 = time.monotonic()
         got = [f for f in self.frames if t0 <= f[0] < t1]
         return sum(f[1] for f in got) / (t1 - t0), sum(f[2] for f in got) / (t1 - t0)
-
-
-# Counts the redraws that drew new steps: each change of the charts' last step.
-OBSERVE_JS = f"""() => {{
-    const r = document.querySelector('{LIVE}');
-    window.__drawn = 0; window.__lastSeen = r.dataset.last;
-    new MutationObserver(() => {{
-        if (r.dataset.last !== window.__lastSeen) {{ window.__lastSeen = r.dataset.last; window.__drawn++; }}
-    }}).observe(r, {{attributes: true, attributeFilter: ['data-last']}});
-}}"""
 
 
 def _zoom_survives_live_updates(page: object) -> None:
@@ -388,26 +377,16 @@ def live_app(tiny_llama_long_dir: Path) -> Iterator[tuple[str, str]]:
         yield engine, app
 
 
-# last: its workload leaves 16 requests decoding on the module's engine
-def test_the_page_keeps_up_with_the_engine_and_a_zoom_survives_live_updates(
-    live_app: tuple[str, str],
-) -> None:
+# last: its workload leaves requests decoding on the module's engine. How fast the page keeps
+# up with the engine is a benchmark's question (python -m bench.page_rate), not this test's.
+def test_a_zoom_survives_live_updates(live_app: tuple[str, str]) -> None:
     engine, app = live_app
     with browser_page(app) as (_, page):
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
-        with Workload(engine, 16, max_tokens=900) as load:
-            page.wait_for_function(f"() => Number(({_UPDATES_JS})()) > 5")
-            page.evaluate(OBSERVE_JS)
-            s0, t0 = load.steps, time.monotonic()
-            page.wait_for_timeout(KEEP_UP_WINDOW_MS)
-            drawn, span = page.evaluate("() => window.__drawn"), time.monotonic() - t0
-            engine_rate, page_rate = (load.steps - s0) / span, drawn / span
-            print(f"engine {engine_rate:.2f} steps/s, page {page_rate:.2f} updates/s")
-            # the target is min(10, 0.8 x the engine's rate) (bench.page_rate); a
-            # loaded CI machine gets a wide margin: half the engine's rate, or 1.5 a second.
-            # This tiny model steps 25-50 times a second, so the page is bound by Streamlit's
-            # round trip: a shared 2-core machine at load 6-20 drew 1.9-3 updates a second; a
-            # page left to its charts' 1-second timer (no pulls answered) would draw one
-            assert engine_rate > 0
-            assert page_rate >= min(1.5, 0.5 * engine_rate)
+        with Workload(engine, 16, max_tokens=900):
+            # enough steps drawn to zoom into the 80 before the last
+            page.wait_for_function(
+                f"() => Number((document.querySelector('{LIVE}') || {{dataset: {{}}}})"
+                ".dataset.steps) >= 100"
+            )
             _zoom_survives_live_updates(page)
