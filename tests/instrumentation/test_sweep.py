@@ -25,6 +25,7 @@ from engine.workload import (
 )
 from instrumentation.sweep import COLUMNS, read_summary, summarize_folder
 from instrumentation.trace import read_jsonl
+from tests.server.test_server_support import child_env
 
 # One xdist worker runs this module, so its module-scoped sweep is set up once (tests spread
 # over both workers had each worker set up its own).
@@ -96,7 +97,7 @@ def sweep_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
          "--budgets", ",".join(map(str, BUDGETS)), "--policies", ",".join(POLICIES),
          "--out", str(out), "--rate", "20", "--duration", "0.4", "--length-scale", "0.05",
          "--max-prompt", "96", "--max-output", "8", "--seed", "5", "--no-png"],
-        cwd=Path(__file__).resolve().parents[2], check=True,
+        cwd=Path(__file__).resolve().parents[2], check=True, env=child_env(),
     )  # fmt: skip
     return out
 

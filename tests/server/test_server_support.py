@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from websockets.sync.client import ClientConnection, connect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,6 +111,30 @@ class ProtoClient:
         self.ws.close()
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a Python process a test starts, plus `extra`. Where bytecode is not
+    written (PYTHONDONTWRITEBYTECODE), each such process compiled torch's and transformers'
+    sources afresh: seconds of CPU for every server a test started. Those processes share a
+    bytecode cache of their own instead (Python checks each file against its source)."""
+    env = {**os.environ, **extra}
+    if env.pop("PYTHONDONTWRITEBYTECODE", "") and "PYTHONPYCACHEPREFIX" not in env:
+        cache = os.environ.get("STEPSCOPE_CACHE") or os.path.expanduser("~/.cache/stepscope")
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(cache, "test-pycache")
+    return env
+
+
+@contextmanager
+def children_share_bytecode() -> Iterator[None]:
+    """Processes started inside that inherit this one's environment get `child_env()`'s."""
+    env = child_env()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in set(os.environ) - set(env):
+            mp.delenv(name)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        yield
+
+
 class ServerProcess:
     """`python -m engine.server` on a free loopback port (`--port 0`), stopped with SIGTERM."""
 
@@ -123,7 +148,7 @@ class ServerProcess:
             args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             # One torch thread: on a shared 2-core machine, OpenMP workers that spin-wait for a
             # descheduled peer turn 4 ms steps into 200 ms ones, drowning what tests compare.
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+            env=child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
         )  # fmt: skip
         # drain stderr from the start and stdout once ready: a server blocked writing to a
         # full pipe would look exactly like a hung engine
