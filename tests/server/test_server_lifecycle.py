@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from instrumentation.steps import stalls
-from tests.server.test_server_support import ROOT, ServerProcess
+from tests.server.test_server_support import ROOT, ServerProcess, child_env
 
 
 def port_is_free(port: int) -> bool:
@@ -40,7 +40,7 @@ def port_is_free(port: int) -> bool:
 def test_unsafe_or_bad_arguments_are_refused_before_loading(args: list[str], message: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "engine.server", *args], cwd=ROOT, capture_output=True,
-        text=True, timeout=60,
+        text=True, timeout=60, env=child_env(),
     )  # fmt: skip
     assert out.returncode == 2 and message in out.stderr and "loading" not in out.stderr
 
@@ -86,7 +86,7 @@ def test_a_busy_port_is_reported_before_loading() -> None:
         port = busy.getsockname()[1]
         out = subprocess.run(
             [sys.executable, "-m", "engine.server", "--model", "/nonexistent", "--port", str(port)],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
+            cwd=ROOT, capture_output=True, text=True, timeout=60, env=child_env(),
         )  # fmt: skip
     assert out.returncode == 2 and "cannot listen" in out.stderr and "loading" not in out.stderr
 
@@ -123,7 +123,7 @@ def test_trace_and_clean_shutdown(tiny_llama_dir: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "run.json"
     cli = subprocess.run(
         [sys.executable, "-m", "instrumentation.trace", str(trace), str(out_json)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=child_env(),
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     events = json.loads(out_json.read_text())["traceEvents"]
