@@ -22,7 +22,7 @@ from engine.models.parallel import HeadShard, Sections, copy_part, head_shard, s
 from instrumentation.errors import InvalidRequest
 from tests.helpers import CHAPTER_PROMPTS
 
-N_OUT = 6
+N_OUT = 4
 
 
 def _prompts() -> list[list[int]]:
