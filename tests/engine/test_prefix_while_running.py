@@ -24,7 +24,7 @@ from instrumentation.records import RequestEvent, StepRecord
 from tests.helpers import Events, SchedulerSim, hf_greedy
 
 PAGE = 4
-SHARED = 498  # not a whole number of pages: a request can match 496 of it
+SHARED = 250  # not a whole number of pages: a request can match 248 of it
 N_REQ = 5
 N_OUT = 4
 
@@ -132,9 +132,9 @@ def _prefix_done_at(ev: Events, uid: int) -> int:
 
 @pytest.mark.parametrize("budget", [256, 100])
 def test_requests_sharing_a_running_prompt_hit_the_cache(tiny_qwen3_dir, budget: int) -> None:
-    """Five prompts with a 498-token system prompt in common, submitted together on a fresh
+    """Five prompts with a 250-token system prompt in common, submitted together on a fresh
     engine: every request admitted after the first one's system prompt was computed is served
-    496 tokens (the shared prompt's whole pages) from the cache, while the first still runs, and
+    248 tokens (the shared prompt's whole pages) from the cache, while the first still runs, and
     the greedy tokens are Hugging Face's and the engine's without sharing."""
     prompts = _prompts()
     llm = _engine(tiny_qwen3_dir, max_extend_tokens=budget)
@@ -225,11 +225,15 @@ def test_abort_mid_prompt_and_while_sharing(tiny_qwen3_dir) -> None:
     """Aborting a request part-way through its chunks (its first chunk already in the cache),
     and one that others' rows read pages of, leaves every page free or evictable."""
     prompts = _prompts()
-    llm = _engine(tiny_qwen3_dir, max_extend_tokens=200, overlap=True)
+    # chunks of 100: the first request's third chunk is still to come after two steps
+    llm = _engine(tiny_qwen3_dir, max_extend_tokens=100, overlap=True)
     uids = [llm.submit(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
     llm.step()
     llm.step()  # the first request's first chunks are launched and cached
     assert llm.kv.cache.locked_pages > 0
+    # part-way through its prompt: waiting for its next chunk
+    chunked = [r.chunked_req for r in llm.scheduler.waiting if r.uid == uids[0]]
+    assert chunked and chunked[0] is not None and chunked[0].device_len < len(prompts[0])
     llm.abort(uids[0])
     second = False
     while llm.has_work():
