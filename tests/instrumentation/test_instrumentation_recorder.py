@@ -16,6 +16,7 @@ from instrumentation.records import (
     StepRecord,
     TokenEvent,
 )
+from tests.server.test_server_support import child_env
 
 KV = KVStats(total=100, used=0, cached=0, free=100, reserved=0)
 
@@ -154,7 +155,9 @@ def test_instrumentation_imports_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, env=child_env()
+    )
     assert out.returncode == 0, out.stderr
 
 

@@ -20,6 +20,7 @@ from instrumentation.records import (
     TokenEvent,
 )
 from instrumentation.trace import TraceWriter, read_jsonl, to_chrome_trace
+from tests.server.test_server_support import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +101,9 @@ def test_cli_writes_valid_json_without_importing_torch(tmp_path: Path) -> None:
         f"rc = main([{str(src)!r}, {str(dst)!r}]); "
         "assert 'torch' not in sys.modules, 'trace export imported torch'; sys.exit(rc)"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=child_env()
+    )
     assert out.returncode == 0, out.stderr
     assert "wrote" in out.stdout
     trace = json.loads(dst.read_text())
@@ -108,7 +111,7 @@ def test_cli_writes_valid_json_without_importing_torch(tmp_path: Path) -> None:
     assert all({"ph", "pid", "tid", "name"} <= e.keys() for e in trace["traceEvents"])
     cli = subprocess.run(
         [sys.executable, "-m", "instrumentation.trace", str(src), str(tmp_path / "b.json")],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT, capture_output=True, text=True, env=child_env(),
     )  # fmt: skip
     assert cli.returncode == 0 and json.loads((tmp_path / "b.json").read_text()) == trace
 
@@ -116,7 +119,7 @@ def test_cli_writes_valid_json_without_importing_torch(tmp_path: Path) -> None:
 def test_cli_reports_a_missing_file(tmp_path: Path) -> None:
     cli = subprocess.run(
         [sys.executable, "-m", "instrumentation.trace", str(tmp_path / "no.jsonl"), "x.json"],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT, capture_output=True, text=True, env=child_env(),
     )  # fmt: skip
     assert cli.returncode == 1 and "error" in cli.stderr and "Traceback" not in cli.stderr
 

@@ -5,7 +5,6 @@ it served in its trace: the log watch and the KV-events watch alike."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from websockets.sync.client import connect
 
 from instrumentation.trace import TraceWriter, read_jsonl
+from tests.server.test_server_support import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "watch"
@@ -39,7 +39,7 @@ def served_then_stopped(args: list[str], trace: Path, sig: int, until: str, coun
     argv = [sys.executable, "-m", "instrumentation.watch", *args, "--port", "0"]
     argv += ["--trace", str(trace)]
     proc = subprocess.Popen(
-        argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE,
+        argv, cwd=ROOT, env=child_env(PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
     assert proc.stderr is not None

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.server.test_server_support import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = os.environ.get("STEPSCOPE_VLLM_VENV", "")
 READY_TIMEOUT_S = 900  # a cold start on a busy 2-core machine
@@ -168,7 +170,7 @@ class RunningWatch:
 @contextlib.contextmanager
 def running_watch(*args: str) -> Iterator[RunningWatch]:
     argv = [sys.executable, "-m", "instrumentation.watch", *args, "--port", "0"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env(PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     url = ""
