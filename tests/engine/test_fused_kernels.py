@@ -301,7 +301,7 @@ def test_the_model_gives_the_same_tokens_with_the_norms_folded(tiny_qwen3_dir, m
 
     prompt = list(range(40, 61))
     # the second request ends first: decode steps of two rows, then of one
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 3)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 2)]
 
     def tokens() -> list[dict]:
         llm = LLM(str(tiny_qwen3_dir), page_size=4, max_running_req=2, progress=False)
