@@ -103,8 +103,11 @@ def sweep_row(policy: str, path: Path) -> SweepRow:
 
 
 def _charts(store: EventStore, window: int = 500) -> dict:
-    """What the live charts would send a newly opened browser from this store (app/live)."""
-    return LiveFeed().payload(store, None, ViewOptions(window=window, xmode="step"))
+    """What the live charts would send a newly opened browser from this store (app/live), less
+    the history's name (it names the store drawn from)."""
+    out = LiveFeed().payload(store, None, ViewOptions(window=window, xmode="step"))
+    out.pop("history")
+    return out
 
 
 # ---- the fold: replay draws what live drew ------------------------------------------------------
