@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models import make_tiny
+from tests.models import cached_tiny
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,8 +25,8 @@ def pytest_configure(config: pytest.Config) -> None:
 BROWSER_QUEUES = {
     "test_browser_live.py": "browser-a",
     "test_browser_first_minute.py": "browser-a",
-    "test_browser_watch.py": "browser-a",
     "test_browser.py": "browser-c",
+    "test_browser_watch.py": "browser-c",
     "test_browser_fleet.py": "browser-c",
     "test_browser_admission.py": "browser-c",
 }
@@ -70,10 +70,10 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return make_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+def tiny_llama_dir(smollm2_dir: Path) -> Path:
+    return cached_tiny("llama", smollm2_dir)
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return make_tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), smollm2_dir)
+def tiny_qwen3_dir(smollm2_dir: Path) -> Path:
+    return cached_tiny("qwen3", smollm2_dir)

@@ -362,12 +362,11 @@ LONG_CONTEXT = 65_536
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_long_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+def tiny_llama_long_dir(smollm2_dir: Path) -> Path:
     """The tiny Llama with a 65,536-token context: room for a request that outlasts a click."""
-    from tests.models import make_tiny
+    from tests.models import cached_tiny
 
-    path = tmp_path_factory.mktemp("tiny-llama-long")
-    return make_tiny("llama", path, smollm2_dir, max_position_embeddings=LONG_CONTEXT)
+    return cached_tiny("llama", smollm2_dir, max_position_embeddings=LONG_CONTEXT)
 
 
 @pytest.fixture(scope="module")
