@@ -25,7 +25,6 @@ from app.fleet_replay import FleetRecording
 from engine.server.fleet import Fleet, FleetInfo, build_parser, free_port
 from engine.server.openai.schema import ApiError
 from engine.server.sglang.worker import to_completion_body
-from tests.server.test_server_support import children_share_bytecode
 
 # One xdist worker runs this module, so its module-scoped fleet is set up once (tests spread
 # over both workers had each worker set up its own).
@@ -113,8 +112,7 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         trace_dir=tmp_path_factory.mktemp("fleet") / "traces",
     )  # fmt: skip
     try:
-        with children_share_bytecode():  # the replicas and the gateway
-            info = f.start()
+        info = f.start()
         yield info
     finally:
         f.stop()

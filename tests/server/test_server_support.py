@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 from websockets.sync.client import ClientConnection, connect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,27 +111,9 @@ class ProtoClient:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a Python process a test starts, plus `extra`. Where bytecode is not
-    written (PYTHONDONTWRITEBYTECODE), each such process compiled torch's and transformers'
-    sources afresh: seconds of CPU for every server a test started. Those processes share a
-    bytecode cache of their own instead (Python checks each file against its source)."""
-    env = {**os.environ, **extra}
-    if env.pop("PYTHONDONTWRITEBYTECODE", "") and "PYTHONPYCACHEPREFIX" not in env:
-        cache = os.environ.get("STEPSCOPE_CACHE") or os.path.expanduser("~/.cache/stepscope")
-        env["PYTHONPYCACHEPREFIX"] = os.path.join(cache, "test-pycache")
-    return env
-
-
-@contextmanager
-def children_share_bytecode() -> Iterator[None]:
-    """Processes started inside that inherit this one's environment get `child_env()`'s."""
-    env = child_env()
-    with pytest.MonkeyPatch.context() as mp:
-        for name in set(os.environ) - set(env):
-            mp.delenv(name)
-        for name, value in env.items():
-            mp.setenv(name, value)
-        yield
+    """The environment of a Python process a test starts, plus `extra` (with the suite's
+    bytecode cache: tests/__init__.py)."""
+    return {**os.environ, **extra}
 
 
 class ServerProcess:
