@@ -103,7 +103,8 @@ def test_the_first_minute_needs_no_click_after_submit(smollm2_dir: Path) -> None
                 submit(page, "The first minute of a new user. " * 4, 12)
                 held = page.get_by_test_id("stAlertContentSuccess").get_by_text(HELD)
                 expect(held).to_be_visible()
-                expect(page.get_by_text("held until the engine is connected")).to_be_visible()
+                # (the workload line also says "held until the engine is connected" while it
+                # waits: gone at once when the engine comes up meanwhile, so not waited for)
 
                 # no click from here on
                 page.wait_for_function("() => window.__firstMinute.whole !== null", timeout=60_000)
