@@ -15,6 +15,10 @@ from instrumentation.errors import InvalidRequest
 from instrumentation.records import RequestEvent, StepRecord, TokenEvent
 from tests.helpers import Events, SchedulerSim, hf_greedy
 
+# one worker runs the module: its fixture `runs` (Hugging Face's tokens and every engine run) is
+# made once, not by each worker that gets one of its tests
+pytestmark = pytest.mark.xdist_group("admission_runs")
+
 N_REQ = 16
 POOL = 44  # pages of one token: about two requests' worth, for 16 requests of up to 40 tokens
 # SGLang's knobs, turned down so that the estimate trusts the pool again soon after a

@@ -175,7 +175,7 @@ def test_attention_ignores_chunking_and_batch(heads: tuple[int, int, int], page_
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     from checks.models import make_wide_model
-    from tests.models import make_tiny
+    from tests.models import cached_tiny
 
     if CUDA:  # FlashInfer-sized heads and bf16 margins, as the other GPU tests
         return make_wide_model(tmp_path_factory.mktemp("bi-qwen3"), smollm2_dir)
@@ -183,10 +183,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
     # its programs do: a 256-token vocabulary, heads of 16 and an MLP of 64 take 16 programs a
     # step where 49,152 / 32 / 128 took hundreds, through the same kernels and tile shapes
     # (64-column tiles, 64-row tiles, two layers).
-    return make_tiny(
-        "qwen3", tmp_path_factory.mktemp("bi-qwen3"), smollm2_dir,
-        vocab_size=VOCAB, head_dim=16, intermediate_size=64,
-    )  # fmt: skip
+    return cached_tiny("qwen3", smollm2_dir, vocab_size=VOCAB, head_dim=16, intermediate_size=64)
 
 
 def _llm(path: Path, **kw: Any) -> Any:

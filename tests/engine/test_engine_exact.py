@@ -52,10 +52,10 @@ def test_tiny_models_match_hf(model: str, cache_type: str, page_size: int, reque
     _check(llm, prompts, ref, [2, 7, 64], "mixed")
 
 
-def test_tiny_qwen2_matches_hf(tmp_path, smollm2_dir) -> None:
-    from tests.models import make_tiny
+def test_tiny_qwen2_matches_hf(smollm2_dir) -> None:
+    from tests.models import cached_tiny
 
-    path = make_tiny("qwen2", tmp_path, smollm2_dir)
+    path = cached_tiny("qwen2", smollm2_dir)
     prompts = _random_prompts(2)
     ref = hf_greedy(path, prompts, N_OUT)
     llm = LLM(str(path), page_size=4, max_running_req=4, progress=False)

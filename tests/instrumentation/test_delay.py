@@ -24,6 +24,10 @@ from instrumentation.publisher import Publisher, PublisherConfig
 from instrumentation.trace import TraceWriter, read_jsonl, to_chrome_trace
 from tests.server.test_server_support import ProtoClient
 
+# one worker runs the module: its fixtures (a recorded run in every mode, the chapter's case)
+# are made once, not by each worker that gets one of its tests
+pytestmark = pytest.mark.xdist_group("delay_recordings")
+
 Msg = dict[str, Any]
 POOL = 64  # pages of one token: decodes run out of pages again and again under `optimistic`
 PRESSURE = dict(schedule_conservativeness=0.3, new_token_ratio_decay_steps=3)
