@@ -47,14 +47,17 @@ SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "pagemap.js", "swee
 # 9.4-9.9 updates/s for a 200-steps/s engine, the timer firing late behind a draw). A pull that
 # finds nothing new is held on the server until the engine's next step lands (at most HOLD_S),
 # so a step is drawn as soon as it arrives rather than at the next poll: with polling, a page
-# whose pulls are out of phase with the engine's steps drew 1.9 updates/s against 3.4 steps/s. The browser
-# waits IDLE_MS before asking again after an answer with nothing new. The charts' fragment also
-# reruns on its own every LIVE_EVERY_S, a fallback for a pull Streamlit answered late or not at
-# all: an answer to a pull starts exactly where the browser is, while a timer's payload must
-# repeat recent batches (OVERLAP), so the timer is slow (at 0.25 s it sent 3x the bytes and took
-# script-thread turns from the pulls).
+# whose pulls are out of phase with the engine's steps drew 1.9 updates/s against 3.4 steps/s.
+# After IDLE_AFTER answers in a row with nothing new (an idle engine), the browser waits IDLE_MS
+# before asking again: each answer costs the browser a Streamlit rerun's redraw (an idle page
+# took 0.4 of a CPU core in Chromium, 0.33 so), and a step after a pause is drawn at most
+# IDLE_MS late. The charts' fragment also reruns on its own every LIVE_EVERY_S, a fallback for a
+# pull Streamlit answered late or not at all: an answer to a pull starts exactly where the
+# browser is, while a timer's payload must repeat recent batches (OVERLAP), so the timer is slow
+# (at 0.25 s it sent 3x the bytes and took script-thread turns from the pulls).
 PULL_MS = 90
-IDLE_MS = 0
+IDLE_AFTER = 3
+IDLE_MS = 700
 HOLD_S = 0.3  # bounds how long a click waits behind a held pull, too
 LIVE_EVERY_S = 1.0
 OVERLAP = 3  # batches each payload covers
@@ -94,6 +97,7 @@ def style() -> dict[str, Any]:
         "max_lanes": MAX_LANES,
         "pull_ms": PULL_MS,
         "idle_ms": IDLE_MS,
+        "idle_after": IDLE_AFTER,
     }
 
 

@@ -59,6 +59,7 @@
       this.rec = new Record();
       this.id = null;
       this.pulls = 0;
+      this.emptyAnswers = 0; // answers in a row that brought nothing new
       this.updates = 0;
       this.lastPull = 0;
       this.timer = null;
@@ -150,6 +151,7 @@
           this.history = data.history;
         }
         if (applied) {
+          this.emptyAnswers = 0;
           this.id = data.id;
           this.updates++;
           this.answered(data);
@@ -173,10 +175,14 @@
       // mounted afresh while paused (the pause banner moves the charts down the page): this
       // view holds nothing, and a paused view does not pull; it asks once for the frozen view
       if (this.paused && !this.static && this.id === null && !this.inflight) { this.pull(true); return; }
-      // new data we could not use (it extends what we do not hold): right away, from here;
-      // nothing new: a bit later
+      // new data we could not use (it extends what we do not hold): right away, from here.
+      // Nothing new: again at once (the server holds a pull until the engine's next step), or,
+      // once a few holds in a row found nothing (an idle engine), after idle_ms: an idle page's
+      // pulls cost the browser its redraws of the page for nothing
       const stale = data.steps && !applied;
-      this.nextPull(stale ? 0 : this.style ? this.style.idle_ms : 500);
+      this.emptyAnswers = stale ? 0 : this.emptyAnswers + 1;
+      const idle = this.emptyAnswers >= (this.style ? this.style.idle_after : 3);
+      this.nextPull(idle ? (this.style ? this.style.idle_ms : 500) : 0);
     }
 
     answered(data) {
