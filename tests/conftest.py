@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.models import cached_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -16,6 +20,28 @@ def pytest_configure(config: pytest.Config) -> None:
     # little, and on a busy 2-core machine OpenMP workers spinning for a descheduled peer made
     # every step ~10x slower (measured: the tiny-model exactness test, 26.7 s against 4.4 s).
     torch.set_num_threads(1)
+    # the controller of pytest-xdist's workers, before any starts (a run in one process
+    # compiles as it goes: nothing runs beside it)
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        warm_bytecode()
+
+
+# What the suite's processes import: an engine server (and its API process), and a page.
+WARM = (
+    "import torch, transformers, safetensors, engine.llm, engine.server.core, "
+    "engine.server.frontend, instrumentation.delay",
+    "import streamlit.web.cli, plotly, pandas, pyarrow, app.state, app.live.feed",
+)
+
+
+def warm_bytecode() -> None:
+    """Compile what the test processes import, once, before they start (tests/__init__.py
+    keeps it): on a fresh machine the workers, and the servers and pages they start, each
+    compiled the same sources at once (the first minutes of a fresh run took about 70 s longer
+    than a warm one). Two processes beside each other, as the machine's two cores."""
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT) for code in WARM]
+    for proc in procs:
+        proc.wait()
 
 
 # The browser tests in three queues, by file (about equal time each). Each drives an engine, a
