@@ -16,7 +16,7 @@ from typing import Any
 
 import streamlit as st
 
-from app import session, sweep_view
+from app import rerun, session, sweep_view
 from app.replay import Recording, ReplaySource, open_recording
 
 
@@ -134,10 +134,7 @@ def sidebar() -> None:
         pending = trace_argument()
     if pending is not None and (rec := _load("Open recording", Path(pending))) is not None:
         open_source(rec)
-    # A path entered while a fragment of the live page reran reached the box's value without
-    # its on_change (the box showed it, nothing opened, and Enter again changed nothing): a
-    # value not yet acted on is acted on here
-    if str(session.REPLAY_PATH.get() or "").strip() != session.REPLAY_PATH_TRIED.get():
+    if rerun.path_unopened():  # a value not yet acted on (app/rerun.py)
         _on_open_path()
     with st.sidebar:
         st.subheader("Recording")

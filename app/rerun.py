@@ -70,11 +70,24 @@ def may_ask_full_run() -> bool:
 
 def page_outdated(link: EngineLink, mode_now: Callable[[EngineLink], Any]) -> bool:
     """What the full page draws has changed since it last ran, and no fragment draws it: the
-    engine turned out external (or not), its config arrived (the scheduling controls), or a held
-    prompt reached it (its notice)."""
+    engine turned out external (or not), its config arrived (the scheduling controls), a held
+    prompt reached it (its notice), or a recording's path waits to be opened."""
     if not may_ask_full_run():
         return False
-    return mode_now(link) != session.PAGE_MODE.get() or controls_outdated(link) or held_outdated()
+    return (
+        mode_now(link) != session.PAGE_MODE.get()
+        or controls_outdated(link)
+        or held_outdated()
+        or path_unopened()
+    )
+
+
+def path_unopened() -> bool:
+    """A path in the "Open recording" box that reached the box's value without its on_change
+    (entered while a fragment reran: the box showed it, nothing opened, and Enter again changed
+    nothing). A full run opens it (app/opener.py); on an idle page only a fragment asks for one."""
+    path = str(session.REPLAY_PATH.get() or "").strip()
+    return bool(path) and path != session.REPLAY_PATH_TRIED.get()
 
 
 def redraw_when_outdated(link: EngineLink, mode_now: Callable[[EngineLink], Any]) -> None:

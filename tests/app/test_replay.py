@@ -310,6 +310,25 @@ def test_a_path_that_reached_the_box_without_its_callback_is_opened(
     assert at.session_state["replay_source"].recording.name == runs["b"].name
 
 
+def test_an_unopened_path_asks_an_idle_page_for_the_full_run_that_opens_it() -> None:
+    """On an idle page nothing else reruns the whole app: the fragment that checks whether the
+    page is outdated (app/rerun.py) counts a path the box holds but nobody opened."""
+
+    def page() -> None:
+        import streamlit as st
+
+        from app import rerun
+
+        st.text(str(rerun.path_unopened()))
+
+    at = AppTest.from_function(page).run()
+    assert at.text[0].value == "False"  # an empty box waits for nothing
+    at.session_state["replay_path"] = "/some/run.jsonl"  # as a fragment run leaves it
+    assert at.run().text[0].value == "True"
+    at.session_state["replay_path_tried"] = "/some/run.jsonl"  # its on_change, or the full run
+    assert at.run().text[0].value == "False"
+
+
 def test_opening_a_recording_drops_the_notices_of_the_page_left(
     replay_app: AppTest, runs: dict
 ) -> None:
