@@ -69,9 +69,11 @@ def may_ask_full_run() -> bool:
 
 
 def page_outdated(link: EngineLink, mode_now: Callable[[EngineLink], Any]) -> bool:
-    """What the full page draws has changed since it last ran, and no fragment draws it: the
-    engine turned out external (or not), its config arrived (the scheduling controls), a held
-    prompt reached it (its notice), or a recording's path waits to be opened."""
+    """What the engine's page (live or watched, the only callers) draws has changed since it
+    last ran, and no fragment draws it: the engine turned out external (or not), its config
+    arrived (the scheduling controls), a held prompt reached it (its notice), or a recording
+    waits to be opened or was opened meanwhile (a widget's callback run with a fragment's rerun
+    opens it, and only a full run draws its page)."""
     if not may_ask_full_run():
         return False
     return (
@@ -79,6 +81,8 @@ def page_outdated(link: EngineLink, mode_now: Callable[[EngineLink], Any]) -> bo
         or controls_outdated(link)
         or held_outdated()
         or path_unopened()
+        or session.REPLAY_SOURCE.get() is not None
+        or session.REPLAY_SWEEP.get() is not None
     )
 
 
