@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,13 +24,14 @@ def cached_tiny(kind: str, tokenizer_dir: Path, **options: Any) -> Path:
     import transformers
     from filelock import FileLock
 
+    from engine.models.loader import cache_root
+
     key = json.dumps(
         [kind, sorted(options.items()), str(tokenizer_dir), torch.__version__,
          transformers.__version__, Path(checks.models.__file__).read_text()],
         default=str,
     )  # fmt: skip
-    cache = Path(os.environ.get("STEPSCOPE_CACHE") or Path.home() / ".cache" / "stepscope")
-    path = cache / "test-models" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    path = cache_root() / "test-models" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if path.is_dir():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

