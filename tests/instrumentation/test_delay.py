@@ -151,7 +151,11 @@ def test_the_chats_stalls_are_charged_to_the_long_prompt(chapter: dict) -> None:
         assert stalled > 0 and sum(g.seconds for g in stalls) == pytest.approx(stalled)
         charged = sum(c.seconds for g in stalls for c in g.charges
                       if c.part == "by" and c.uid == long)  # fmt: skip
-        assert charged >= 0.9 * stalled, (uid, charged, stalled)
+        # the time between steps is the machine's, no request's: on a quiet machine a few
+        # percent of a stall, on a loaded CI machine (the engine's thread waiting for a core)
+        # up to 12% once. At least 90% of the rest is the long prompt's.
+        host = sum(c.seconds for g in stalls for c in g.charges if c.part == "host")
+        assert charged >= 0.9 * (stalled - host), (uid, charged, host, stalled)
     cause = worst_stall_cause(fold)
     assert cause is not None and cause.uid in chats
     assert cause.phrase.endswith(f"mostly request {long}'s prompt"), cause.phrase
