@@ -37,6 +37,7 @@ from app.page import comparison, fleet, fleet_recording, live, recording, sweep,
 
 def main() -> None:
     st.set_page_config(page_title="stepscope", page_icon="🔭", layout="wide")
+    rerun.keep_full_runs_whole()
     session.settle_held()  # before any fragment asks whether the page is outdated
     with rerun.full_run():
         page()

@@ -1,7 +1,7 @@
 """Streamlit's rerun model, and every workaround the page needs for it, in one place.
 
 A Streamlit page is a script run top to bottom on each interaction; fragments rerun parts of it
-on their own timers. Three consequences need care, and each has its one function here:
+on their own timers. Four consequences need care, and each has its one function here:
 
 1. **A fragment cannot redraw what only a full run draws** (the sidebar's scheduling controls,
    the status line). When such a thing goes out of date (the engine's config arrived, a held
@@ -17,10 +17,12 @@ on their own timers. Three consequences need care, and each has its one function
 3. **The first full run should not be drawn half-known.** An engine that is up answers within a
    moment; waiting for its hello (`await_hello`) draws the controls at once, instead of a second
    whole-app run asked for while the charts pull (which once froze them).
+4. **A fragment run must not cut the full run before it short** (`keep_full_runs_whole`).
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -222,3 +224,51 @@ def _answered(link: EngineLink) -> bool:
     if snap.config is not None or snap.engine is not None:
         return True  # the hello is in: the engine's config (or that it has none)
     return link.status().state not in ("connecting", "connected")  # nothing answers (yet)
+
+
+# ---- 4. a full run's messages, whole -------------------------------------------------------
+
+
+def keep_full_runs_whole() -> None:
+    """Keep a finished full run's messages whole when a fragment run starts before they left.
+
+    When a run starts, Streamlit drops what the previous one left unsent in the session's
+    outgoing queue; for a fragment run, only the deltas of the fragments it reruns. A full run
+    that finished while the browser's fragment timers waited keeps its "finished successfully"
+    then, but not its fragments' deltas, so the browser removes those fragments' places as stale,
+    and the fragment run that follows writes into a place that is gone: "Bad delta path", and
+    the page stops (on a loaded machine, after a click: the charts, the detail tabs and the
+    status line's notice were lost). Here the queue is left whole in that one case; the fragment
+    run's deltas then follow the full run's and redraw the same places. Installed once per
+    process; a Streamlit whose queue has no such `clear` is left as it is."""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+    from streamlit.runtime.forward_msg_queue import ForwardMsgQueue
+
+    clear = ForwardMsgQueue.clear
+    if getattr(clear, "keeps_full_runs", False):
+        return
+    if "fragment_ids_this_run" not in inspect.signature(clear).parameters:
+        return  # another Streamlit: not the queue this guards
+    finished = ForwardMsg.ScriptFinishedStatus.FINISHED_SUCCESSFULLY
+
+    def guarded(
+        self: ForwardMsgQueue,
+        retain_lifecycle_msgs: bool = False,
+        fragment_ids_this_run: list[str] | None = None,
+    ) -> None:
+        if (
+            retain_lifecycle_msgs
+            and fragment_ids_this_run is not None
+            and any(
+                m.WhichOneof("type") == "script_finished" and m.script_finished == finished
+                for m in self._queue
+            )
+        ):
+            # a new run's deltas must not be merged into the old run's (the browser would
+            # count them to the full run, then clear them as stale after the fragment run)
+            self._delta_index_map = {}
+            return
+        clear(self, retain_lifecycle_msgs, fragment_ids_this_run)
+
+    guarded.keeps_full_runs = True  # type: ignore[attr-defined]
+    ForwardMsgQueue.clear = guarded  # type: ignore[method-assign]
