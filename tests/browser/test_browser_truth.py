@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, running_app, running_engine
-from tests.browser.test_browser import act_until
+from tests.browser.test_browser import act_until, status_line
 
 pytestmark = [
     pytest.mark.browser,
@@ -114,9 +114,13 @@ def test_the_headline_covers_the_steps_in_view_and_goes_idle(page: object) -> No
     applies while the engine is idle, and once every request ended it says 0 / 0 running and
     waiting and the pool's pages back (it kept the last step's figures)."""
     page.get_by_text("ignore EOS").click()  # type: ignore[attr-defined]
-    submit(page, "Count with me.", 160, copies=2)
-    expect(metric(page, "running / waiting")).to_contain_text("0 / 0", timeout=90_000)
-    expect(metric(page, "KV used")).to_contain_text("0.0%")
+    # the requests must be in first: before any step the headline says 0 / 0 as well
+    act_until(
+        lambda: submit(page, "Count with me.", 160, copies=2),
+        status_line(page, "submitted: request"),
+    )
+    expect(metric(page, "KV used")).to_contain_text("0.0%", timeout=90_000)  # "–" before a step
+    expect(metric(page, "running / waiting")).to_contain_text("0 / 0")
     window = page.locator(".st-key-window input[type='range']")  # type: ignore[attr-defined]
     window.focus()
     window.press("Home")  # 100 steps in view, with the engine idle
