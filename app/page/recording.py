@@ -29,7 +29,9 @@ def _on_scrub() -> None:
     # then is the browser sending back a value it showed a moment ago, behind the replay (seen:
     # the replay thrown back to its first step, or to where it was 100 steps before)
     if (src := _source()) is not None and not src.playing:
-        src.seek(int(session.REPLAY_STEP.get() or 0))
+        step = int(session.REPLAY_STEP.get() or 0)
+        src.seek(step)
+        session.REPLAY_STEP_SHOWN.set(step)  # the slider shows it already
 
 
 def _on_play() -> None:
@@ -61,11 +63,15 @@ def config_note(step: dict | None) -> str:
 
 
 def player(src: ReplaySource) -> None:
-    """The scrubber follows the replay: it is set from the cursor on every run (a scrub has
-    moved the cursor to the slider's step already, in its callback)."""
+    """The scrubber follows the replay: it is set from the cursor whenever the cursor moved
+    otherwise than by the scrubber (playing, Play from the start, a recording opened). Not when
+    the user moved it: setting a widget sends the browser its value, which replaced what the
+    user had done since (seen: End, Home, → and → left the scrubber at the end)."""
     rec = src.recording
-    step = src.current_step
-    session.REPLAY_STEP.set(step if step is not None else rec.first_step)
+    step = src.current_step if src.current_step is not None else rec.first_step
+    if step != session.REPLAY_STEP_SHOWN.get() or session.REPLAY_STEP.get() is None:
+        session.REPLAY_STEP.set(step)
+        session.REPLAY_STEP_SHOWN.set(step)
     cols = st.columns([7, 1.2, 2.2])
     if rec.num_steps >= 2:
         cols[0].slider("Step", min_value=rec.first_step, max_value=rec.last_step,
