@@ -51,10 +51,10 @@ SCRIPTS = ("data.js", "timeline.js", "kv.js", "progress.js", "pagemap.js", "swee
 # After IDLE_AFTER answers in a row with nothing new (an idle engine), the browser waits IDLE_MS
 # before asking again: each answer costs the browser a Streamlit rerun's redraw (an idle page
 # took 0.41 of a CPU core in Chromium, 0.33 with the wait), and a step after a pause is drawn
-# at most IDLE_MS late. The charts' fragment also reruns on its own every LIVE_EVERY_S, a fallback for a
-# pull Streamlit answered late or not at all: an answer to a pull starts exactly where the
-# browser is, while a timer's payload must repeat recent batches (OVERLAP), so the timer is slow
-# (at 0.25 s it sent 3x the bytes and took script-thread turns from the pulls).
+# at most IDLE_MS late. The charts' fragment also reruns on its own every LIVE_EVERY_S, a
+# fallback for a pull Streamlit answered late or not at all: an answer to a pull starts exactly
+# where the browser is, while a timer's payload must repeat recent batches (OVERLAP), so the
+# timer is slow (at 0.25 s it sent 3x the bytes and took script-thread turns from the pulls).
 PULL_MS = 90
 IDLE_AFTER = 3
 IDLE_MS = 700
