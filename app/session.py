@@ -139,6 +139,7 @@ REPLAY_ERROR = Field["str | None"]("replay_error")
 REPLAY_ARGV_DONE = Field[bool]("replay_argv_done", False)  # `--trace FILE` was opened once
 REPLAY_PATH_TRIED = Field[str]("replay_path_tried", "")  # the Open recording box, last acted on
 REPLAY_STEP_SHOWN = Field["int | None"]("replay_step_shown")  # the scrubber's step, last known
+REPLAY_SCRUB_LOCKED = Field[bool]("replay_scrub_locked", False)  # the scrubber last drawn disabled
 REPLAY_PATH = Field[str]("replay_path", "")  # widgets from here on
 REPLAY_UPLOAD = Field[Any]("replay_upload")
 COMPARE_PATH = Field[str]("compare_path", "")

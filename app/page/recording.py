@@ -25,13 +25,15 @@ def _source() -> ReplaySource | None:
 
 
 def _on_scrub() -> None:
-    # While playing the slider is disabled and moved only by the replay; a change that arrives
-    # then is the browser sending back a value it showed a moment ago, behind the replay (seen:
-    # the replay thrown back to its first step, or to where it was 100 steps before)
-    if (src := _source()) is not None and not src.playing:
-        step = int(session.REPLAY_STEP.get() or 0)
-        src.seek(step)
-        session.REPLAY_STEP_SHOWN.set(step)  # the slider shows it already
+    # Drawn disabled (playing), the slider is moved only by the replay: a change from it is the
+    # browser sending back a value it showed a moment ago, behind the replay (seen: the replay
+    # thrown back to its first step). Asked of the slider as drawn, not of the replay now:
+    # Pause's callback may run first. player() puts the slider back.
+    if (src := _source()) is None or session.REPLAY_SCRUB_LOCKED.get():
+        return
+    step = int(session.REPLAY_STEP.get() or 0)
+    src.seek(step)
+    session.REPLAY_STEP_SHOWN.set(step)  # the slider shows it already
 
 
 def _on_play() -> None:
@@ -69,10 +71,18 @@ def player(src: ReplaySource) -> None:
     user had done since (seen: End, Home, → and → left the scrubber at the end)."""
     rec = src.recording
     step = src.current_step if src.current_step is not None else rec.first_step
-    if step != session.REPLAY_STEP_SHOWN.get() or session.REPLAY_STEP.get() is None:
+    # A value that reached the slider while it was drawn disabled is the browser's stale one
+    # (Streamlit stores it, and skips the callback): seen with Pause's click, the slider left at
+    # step 3 under a caption at step 163. It is put back too.
+    if (
+        step != session.REPLAY_STEP_SHOWN.get()
+        or session.REPLAY_STEP.get() is None
+        or session.REPLAY_SCRUB_LOCKED.get()
+    ):
         session.REPLAY_STEP.set(step)
         session.REPLAY_STEP_SHOWN.set(step)
     cols = st.columns([7, 1.2, 2.2])
+    session.REPLAY_SCRUB_LOCKED.set(src.playing and rec.num_steps >= 2)
     if rec.num_steps >= 2:
         cols[0].slider("Step", min_value=rec.first_step, max_value=rec.last_step,
                        key=session.REPLAY_STEP.key, on_change=_on_scrub, disabled=src.playing,
