@@ -1,6 +1,7 @@
 """The browser tests' harness (the page benchmarks use it too): a `python -m engine.server` and a
-`streamlit run app/main.py` started on free ports and stopped again, Debian's chromium and its
-flags, and a protocol client that keeps requests decoding."""
+`streamlit run app/main.py` started on free ports and stopped again, Debian's chromium (one per
+run of consecutive browser tests) and the tabs the tests open in it, and a protocol client that
+keeps requests decoding."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -71,6 +73,57 @@ def running_engine(
         yield url
     finally:
         stop_process(proc)
+
+
+# One chromium for consecutive browser tests: a launch and its first page cost about 6 CPU-s in
+# chromium, a tab in a running one 1-2 (measured). It is closed when the next test is not a
+# browser test (tests/browser/conftest.py): Playwright's sync API keeps an asyncio loop running
+# in its thread, and a test that runs its own loop there fails.
+_SHARED: dict[str, Any] = {}
+
+
+def shared_browser() -> Any:
+    """The running chromium, launched if there is none (or it died)."""
+    from playwright.sync_api import sync_playwright
+
+    browser = _SHARED.get("browser")
+    if browser is None or not browser.is_connected():
+        close_shared_browser()
+        _SHARED["playwright"] = sync_playwright().start()
+        chromium = _SHARED["playwright"].chromium
+        _SHARED["browser"] = chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    return _SHARED["browser"]
+
+
+def close_shared_browser() -> None:
+    browser, playwright = _SHARED.pop("browser", None), _SHARED.pop("playwright", None)
+    with contextlib.suppress(Exception):  # already gone with its process
+        if browser is not None:
+            browser.close()
+    if playwright is not None:
+        playwright.stop()
+
+
+@contextlib.contextmanager
+def tab(
+    url: str | None, width: int = 1600, height: int = 1300, timeout_ms: int = 90_000
+) -> Iterator[Any]:
+    """A new tab (its own browser context: a new Streamlit session, no shared storage) in the
+    shared chromium, at `url`, with `timeout_ms` for its waits and Playwright's expect; what the
+    page said is printed if the test fails in it (PageLog). Closed after."""
+    from playwright.sync_api import expect
+
+    page = shared_browser().new_page(viewport={"width": width, "height": height})
+    page.set_default_timeout(timeout_ms)
+    expect.set_options(timeout=timeout_ms)
+    try:
+        with PageLog(page):
+            if url is not None:
+                page.goto(url)
+            yield page
+    finally:
+        with contextlib.suppress(Exception):
+            page.close()
 
 
 APP_LOGS: dict[str, Path] = {}  # a running app's URL: its process's output

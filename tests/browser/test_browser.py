@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, running_app, running_engine
+from tests.browser.harness import CHROMIUM, running_app, running_engine, tab
 
 pytestmark = [
     pytest.mark.browser,
@@ -97,44 +97,36 @@ def submit(page: object, prompt: str, max_tokens: int) -> None:
 
 def test_submit_watch_steps_and_move_the_budget_slider(page_url: str, tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    expect, sync_playwright = sync_api.expect, sync_api.sync_playwright
+    expect = sync_api.expect
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1400})
-            page.set_default_timeout(90_000)
-            page.goto(page_url)
-            expect.set_options(timeout=90_000)
-            expect(page.get_by_text("connected", exact=True)).to_be_visible()
-            page.get_by_text("ignore EOS").click()  # a random model may stop early otherwise
+    with tab(page_url, height=1400) as page:
+        expect(page.get_by_text("connected", exact=True)).to_be_visible()
+        page.get_by_text("ignore EOS").click()  # a random model may stop early otherwise
 
-            submit(page, "The sea was calm and the boats were out. " * 6, 24)
-            expect(status_line(page, "submitted: request 0")).to_be_visible()
-            # Steps arrive: the first request's prompt shows up as chunks of at most 32.
-            page.wait_for_function(f"() => ({PROMPT_PIECES_JS})(0).length >= 2")
-            assert max(page.evaluate(PROMPT_PIECES_JS, 0)) <= 32
-            assert page.evaluate(LAST_BUDGET_JS) == 32
+        submit(page, "The sea was calm and the boats were out. " * 6, 24)
+        expect(status_line(page, "submitted: request 0")).to_be_visible()
+        # Steps arrive: the first request's prompt shows up as chunks of at most 32.
+        page.wait_for_function(f"() => ({PROMPT_PIECES_JS})(0).length >= 2")
+        assert max(page.evaluate(PROMPT_PIECES_JS, 0)) <= 32
+        assert page.evaluate(LAST_BUDGET_JS) == 32
 
-            slider = page.locator(".st-key-budget_slider input[type='range']")
-            exact = page.locator(".st-key-budget_exact input")
-            for old, new in [(32, 16), (16, 8)]:  # one step left each
-                act_until(
-                    lambda: slider.press("ArrowLeft"),
-                    status_line(page, f"max_extend_tokens={new}"),
-                    again=lambda old=old: exact.input_value() == str(old),
-                )
-            expect(page.locator(".st-key-budget_exact input")).to_have_value("8")
+        slider = page.locator(".st-key-budget_slider input[type='range']")
+        exact = page.locator(".st-key-budget_exact input")
+        for old, new in [(32, 16), (16, 8)]:  # one step left each
+            act_until(
+                lambda: slider.press("ArrowLeft"),
+                status_line(page, f"max_extend_tokens={new}"),
+                again=lambda old=old: exact.input_value() == str(old),
+            )
+        expect(page.locator(".st-key-budget_exact input")).to_have_value("8")
 
-            submit(page, "A second prompt arrives after the budget changed. " * 4, 8)
-            expect(status_line(page, "submitted: request 1")).to_be_visible()
-            page.wait_for_function(f"() => ({LAST_BUDGET_JS})() === 8")
-            page.wait_for_function(f"() => ({PROMPT_PIECES_JS})(1).length >= 3")
-            assert max(page.evaluate(PROMPT_PIECES_JS, 1)) <= 8
-            expect(page.get_by_text("budget 8").first).to_be_visible()
+        submit(page, "A second prompt arrives after the budget changed. " * 4, 8)
+        expect(status_line(page, "submitted: request 1")).to_be_visible()
+        page.wait_for_function(f"() => ({LAST_BUDGET_JS})() === 8")
+        page.wait_for_function(f"() => ({PROMPT_PIECES_JS})(1).length >= 3")
+        assert max(page.evaluate(PROMPT_PIECES_JS, 1)) <= 8
+        expect(page.get_by_text("budget 8").first).to_be_visible()
 
-            shot = tmp_path / "dashboard.png"
-            page.screenshot(path=str(shot))
-            assert shot.stat().st_size > 10_000
-        finally:
-            browser.close()
+        shot = tmp_path / "dashboard.png"
+        page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 10_000

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 from tests.browser import test_browser
-from tests.browser.harness import running_app, running_engine
+from tests.browser.harness import running_app, running_engine, tab
 from tests.browser.test_browser import act_until, status_line
-from tests.browser.test_browser_live import SHOTS, TIMELINE, browser_page, sync_api
+from tests.browser.test_browser_live import SHOTS, TIMELINE, sync_api
 
 N_PRESET = 16  # the preset's requests
 FLAGS = ("--num-pages", "640", "--max-extend-tokens", "64", "--policy", "mixed", "--threads", "1")
@@ -69,7 +69,7 @@ def test_kv_pressure_preset_under_both_admission_modes(tiny_llama_dir: Path) -> 
     with (
         running_engine(tiny_llama_dir, *FLAGS) as engine,
         running_app(engine) as app,
-        browser_page(app) as (_, page),
+        tab(app, timeout_ms=120_000) as page,
         connect(engine, max_size=2**27, max_queue=None) as ws,
     ):
         ws.recv()  # hello

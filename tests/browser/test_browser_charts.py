@@ -24,11 +24,10 @@ import pytest
 
 from tests.browser.harness import (
     CHROMIUM,
-    CHROMIUM_ARGS,
     ROOT,
-    PageLog,
     free_port,
     stop_process,
+    tab,
 )
 
 pytestmark = [
@@ -142,18 +141,9 @@ def charts_page() -> Iterator[str]:
 @pytest.fixture
 def page(charts_page: str) -> Iterator[object]:
     """A new tab (a new session, with its own record) on the module's page server."""
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            tab = browser.new_page(viewport={"width": 1600, "height": 1300})
-            tab.set_default_timeout(60_000)
-            sync_api.expect.set_options(timeout=60_000)
-            with PageLog(tab):
-                tab.goto(charts_page)
-                _wait(tab, f"s.steps === {FIRST_STEPS} && s.traces > 0")
-                yield tab
-        finally:
-            browser.close()
+    with tab(charts_page, timeout_ms=60_000) as page:
+        _wait(page, f"s.steps === {FIRST_STEPS} && s.traces > 0")
+        yield page
 
 
 def _state(page: object) -> dict:

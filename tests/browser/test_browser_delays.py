@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, running_app, running_engine
+from tests.browser.harness import CHROMIUM, running_app, running_engine, tab
 from tests.browser.test_browser import act_until, status_line
 
 pytestmark = [
@@ -58,19 +58,10 @@ def page(tiny_llama_dir: Path) -> Iterator[object]:
     with (
         running_engine(tiny_llama_dir, *FLAGS) as engine,
         running_app(engine) as app,
-        sync_api.sync_playwright() as pw,
+        tab(app, timeout_ms=TIMEOUT_MS) as page,
     ):
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            tab = browser.new_page(viewport={"width": 1600, "height": 1300})
-            tab.set_default_timeout(TIMEOUT_MS)
-            expect.set_options(timeout=TIMEOUT_MS)
-            with PageLog(tab):
-                tab.goto(app)
-                expect(tab.get_by_text("connected", exact=True)).to_be_visible()
-                yield tab
-        finally:
-            browser.close()
+        expect(page.get_by_text("connected", exact=True)).to_be_visible()
+        yield page
 
 
 def run_stall_workload(page: object) -> list[int]:

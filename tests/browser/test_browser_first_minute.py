@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, free_port, running_app
+from tests.browser.harness import CHROMIUM, free_port, running_app, tab
 from tests.browser.test_browser import submit
 
 pytestmark = [
@@ -89,46 +89,37 @@ def test_the_first_minute_needs_no_click_after_submit(smollm2_dir: Path) -> None
     with (
         port_taken(8000),
         running_app(f"ws://127.0.0.1:{free_port()}", **env) as app,
-        sync_api.sync_playwright() as pw,
+        tab(None, timeout_ms=120_000) as page,
     ):
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1300})
-            page.set_default_timeout(120_000)
-            expect.set_options(timeout=120_000)
-            log = PageLog(page)
-            page.goto(app)
-            with log:
-                # the page started the engine, which is loading: the user types and submits now
-                expect(page.get_by_text("Starting the engine")).to_be_visible()
-                expect(page.get_by_text("the scheduling controls appear once")).to_be_visible()
-                page.evaluate(WATCH_JS, HELD)
-                page.get_by_text("ignore EOS").click()  # a random model may stop early otherwise
-                submit(page, "The first minute of a new user. " * 4, 12)
-                held = page.get_by_test_id("stAlertContentSuccess").get_by_text(HELD)
-                page.wait_for_function("() => window.__firstMinute.held !== null")
-                # (the workload line also says "held until the engine is connected" while it
-                # waits: gone at once when the engine comes up meanwhile, so not waited for)
+        page.goto(app)
+        # the page started the engine, which is loading: the user types and submits now
+        expect(page.get_by_text("Starting the engine")).to_be_visible()
+        expect(page.get_by_text("the scheduling controls appear once")).to_be_visible()
+        page.evaluate(WATCH_JS, HELD)
+        page.get_by_text("ignore EOS").click()  # a random model may stop early otherwise
+        submit(page, "The first minute of a new user. " * 4, 12)
+        held = page.get_by_test_id("stAlertContentSuccess").get_by_text(HELD)
+        page.wait_for_function("() => window.__firstMinute.held !== null")
+        # (the workload line also says "held until the engine is connected" while it waits:
+        # gone at once when the engine comes up meanwhile, so not waited for)
 
-                # no click from here on
-                page.wait_for_function("() => window.__firstMinute.whole !== null", timeout=60_000)
-                times = page.evaluate("() => window.__firstMinute")
-                late_ms = times["whole"] - times["connected"]
-                print(f"first minute: the page was whole {late_ms:.0f} ms after 'connected'")
-                assert late_ms <= WHOLE_WITHIN_MS, (
-                    f"the slider and the sent prompt showed {late_ms:.0f} ms after 'connected'"
-                )
-                expect(page.locator(".st-key-budget_slider")).to_be_visible()
-                expect(held).to_have_count(0)
-                expect(page.get_by_text("the scheduling controls appear once")).to_have_count(0)
-                # the held prompt became a request, and the page says so
-                ok = page.get_by_test_id("stAlertContentSuccess")
-                expect(ok.get_by_text("submitted: request 0")).to_be_visible()
-                expect(page.get_by_text("requests 0")).to_be_visible()
-                page.wait_for_function(
-                    "() => { const r = document.querySelector('.stepscope-live'); "
-                    "return r && Number(r.dataset.steps) > 3; }"
-                )
-                assert page.get_by_test_id("stAlertContentError").count() == 0
-        finally:
-            browser.close()
+        # no click from here on
+        page.wait_for_function("() => window.__firstMinute.whole !== null", timeout=60_000)
+        times = page.evaluate("() => window.__firstMinute")
+        late_ms = times["whole"] - times["connected"]
+        print(f"first minute: the page was whole {late_ms:.0f} ms after 'connected'")
+        assert late_ms <= WHOLE_WITHIN_MS, (
+            f"the slider and the sent prompt showed {late_ms:.0f} ms after 'connected'"
+        )
+        expect(page.locator(".st-key-budget_slider")).to_be_visible()
+        expect(held).to_have_count(0)
+        expect(page.get_by_text("the scheduling controls appear once")).to_have_count(0)
+        # the held prompt became a request, and the page says so
+        ok = page.get_by_test_id("stAlertContentSuccess")
+        expect(ok.get_by_text("submitted: request 0")).to_be_visible()
+        expect(page.get_by_text("requests 0")).to_be_visible()
+        page.wait_for_function(
+            "() => { const r = document.querySelector('.stepscope-live'); "
+            "return r && Number(r.dataset.steps) > 3; }"
+        )
+        assert page.get_by_test_id("stAlertContentError").count() == 0

@@ -16,7 +16,7 @@ import pytest
 
 from app.page.fleet import FleetSpec, clock_offsets, load_fleet_file, parse_engine_urls, spec_for
 from engine.server.fleet import Fleet
-from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, Workload, running_app
+from tests.browser.harness import CHROMIUM, Workload, running_app, tab
 
 SHOTS = os.environ.get("STEPSCOPE_SCREENSHOTS")
 LIVE = ".stepscope-live"
@@ -53,60 +53,49 @@ def test_two_live_replicas_move_and_a_budget_change_reaches_only_one(
     tiny_llama_dir: Path,
 ) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    expect, sync_playwright = sync_api.expect, sync_api.sync_playwright
+    expect = sync_api.expect
     args = ["--model", str(tiny_llama_dir), "--threads", "1", "--max-extend-tokens", "64"]
     with Fleet(2, args, router_policy=None) as fleet:
         info = fleet.info
         assert info is not None
         urls = ",".join(r.ws for r in info.replicas)
-        with running_app(urls) as page_url, sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1500, "height": 1900})
-                with PageLog(page):  # a failing test prints what the page saw
-                    page.set_default_timeout(90_000)
-                    expect.set_options(timeout=90_000)
-                    page.goto(page_url)
-                    expect(page.get_by_text("a fleet of 2 engines")).to_be_visible()
-                    charts = page.locator(LIVE)
-                    expect(charts).to_have_count(2)
-                    # both replicas get work, and both replicas' charts draw their new steps; the work
-                    # runs only while the charts are watched (two engines stepping flat out, with the
-                    # page folding every step, took most of the machine from the rest of the test)
-                    with (
-                        Workload(info.replicas[0].ws, 2, 48),
-                        Workload(info.replicas[1].ws, 2, 48),
-                    ):
-                        first = [
-                            int(charts.nth(i).get_attribute("data-updates") or 0) for i in (0, 1)
-                        ]
-                        page.wait_for_function(
-                            "([a, b]) => { const c = document.querySelectorAll('.stepscope-live');"
-                            " return c.length === 2 && +c[0].dataset.updates > a + 2"
-                            " && +c[1].dataset.updates > b + 2; }",
-                            arg=first,
-                        )
-                    before = [_budget(r.http) for r in info.replicas]
-                    assert before == [64, 64]
-                    # replica 1 only: budget 16
-                    page.get_by_label("Apply to").click()
-                    page.get_by_role("option", name="replica 1").click()
-                    slider = page.get_by_role("slider", name="max_extend_tokens")
-                    slider.focus()
-                    for _ in range(2):  # 64 → 32 → 16 on the powers-of-two slider
-                        slider.press("ArrowLeft")
-                    expect(slider).to_have_attribute("aria-valuetext", "16")
-                    page.get_by_role("button", name="Apply").click()
-                    expect(page.get_by_text("replica 1: ")).to_be_visible()
-                    deadline = time.monotonic() + 30  # applied from the engine's next step
-                    while (after := [_budget(r.http) for r in info.replicas]) != [64, 16]:
-                        assert time.monotonic() < deadline, after
-                        time.sleep(0.2)
-                    if SHOTS:
-                        Path(SHOTS).mkdir(parents=True, exist_ok=True)
-                        page.screenshot(path=str(Path(SHOTS) / "fleet.png"), full_page=True)
-            finally:
-                browser.close()
+        with running_app(urls) as page_url, tab(page_url, width=1500, height=1900) as page:
+            expect(page.get_by_text("a fleet of 2 engines")).to_be_visible()
+            charts = page.locator(LIVE)
+            expect(charts).to_have_count(2)
+            # both replicas get work, and both replicas' charts draw their new steps; the work
+            # runs only while the charts are watched (two engines stepping flat out, with the
+            # page folding every step, took most of the machine from the rest of the test)
+            with (
+                Workload(info.replicas[0].ws, 2, 48),
+                Workload(info.replicas[1].ws, 2, 48),
+            ):
+                first = [int(charts.nth(i).get_attribute("data-updates") or 0) for i in (0, 1)]
+                page.wait_for_function(
+                    "([a, b]) => { const c = document.querySelectorAll('.stepscope-live');"
+                    " return c.length === 2 && +c[0].dataset.updates > a + 2"
+                    " && +c[1].dataset.updates > b + 2; }",
+                    arg=first,
+                )
+            before = [_budget(r.http) for r in info.replicas]
+            assert before == [64, 64]
+            # replica 1 only: budget 16
+            page.get_by_label("Apply to").click()
+            page.get_by_role("option", name="replica 1").click()
+            slider = page.get_by_role("slider", name="max_extend_tokens")
+            slider.focus()
+            for _ in range(2):  # 64 → 32 → 16 on the powers-of-two slider
+                slider.press("ArrowLeft")
+            expect(slider).to_have_attribute("aria-valuetext", "16")
+            page.get_by_role("button", name="Apply").click()
+            expect(page.get_by_text("replica 1: ")).to_be_visible()
+            deadline = time.monotonic() + 30  # applied from the engine's next step
+            while (after := [_budget(r.http) for r in info.replicas]) != [64, 16]:
+                assert time.monotonic() < deadline, after
+                time.sleep(0.2)
+            if SHOTS:
+                Path(SHOTS).mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(Path(SHOTS) / "fleet.png"), full_page=True)
 
 
 def test_a_bad_url_list_is_a_clear_error_not_connecting_forever(

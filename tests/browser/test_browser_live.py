@@ -1,14 +1,14 @@
-"""The live page in Debian's chromium against real engines (tiny random Llama), measured.
+"""The live page in Debian's chromium against real engines (tiny random Llama).
 
-- The page keeps up with the engine: with 16 requests decoding, the redraws that drew new steps
-  per second against the engine's steps per second, in the same run (a ratio, with a wide
-  margin: `python -m bench.page_rate` measures the target on SmolLM2). A zoom
-  (`Plotly.relayout`, as a drag does) survives ten live updates while new steps are drawn.
-- 64 requests in flight and 5,000 steps in view: the bytes the page's own WebSocket receives per
-  second and the chart updates per second (the DevTools protocol's frame events), and the
-  main-thread time of each live update (the Performance API).
-- The KV page map marks a shared prefix and frees an aborted request's cells.
-- The Abort button shows success (a prompt held until the engine is up: test_browser_first_minute).
+- One page through one busy stretch of the engine: the KV page map marks a shared prefix and
+  frees an aborted request's cells; a zoom (`Plotly.relayout`, as a drag does) survives ten live
+  updates while new steps are drawn; the Requests tab's Abort button ends a request and says so.
+  (A prompt held until the engine is up: test_browser_first_minute.)
+- A chart script that failed to load is loaded again.
+- On request, a measurement: 64 requests in flight and 5,000 steps in view: the bytes the page's
+  own WebSocket receives per second and the chart updates per second (the DevTools protocol's
+  frame events), and the main-thread time of each live update (the Performance API). How fast
+  the page keeps up with the engine is `python -m bench.page_rate`'s question.
 
 Numbers go to stdout and, with STEPSCOPE_BENCH_OUT=path, to a JSON file (docs/benchmarks.md).
 STEPSCOPE_BROWSER_BENCH=1 runs the 64-request measurement (minutes: skipped otherwise).
@@ -18,11 +18,9 @@ STEPSCOPE_BROWSER_STEPS sets its steps in view (default 600; the recorded figure
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import random
-import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -33,17 +31,12 @@ import pytest
 from tests.browser.browser_floor import FLOOR_JS
 from tests.browser.harness import (
     CHROMIUM,
-    CHROMIUM_ARGS,
-    PageLog,
     Workload,
     running_app,
     running_engine,
+    tab,
 )
-from tests.browser.test_browser import (
-    act_until,
-    status_line,
-    submit,
-)
+from tests.browser.test_browser import act_until, status_line
 
 pytestmark = [
     pytest.mark.browser,
@@ -56,8 +49,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 # 5,000 for the recorded figures; the suite's default keeps its time (the steps are made live)
 STEPS = int(os.environ.get("STEPSCOPE_BROWSER_STEPS", "600"))
 REQUESTS = 64
-MEASURE_S = 12.0
-# the keeps-up test's window: 10-15 page updates at the rates it sees (1.9-3 a second)
+MEASURE_S = 12.0  # the measurement's window
 SHOTS = os.environ.get("STEPSCOPE_SCREENSHOTS")  # a folder: README screenshots are saved there
 
 LIVE = ".stepscope-live"
@@ -77,21 +69,6 @@ def updates(page: object) -> int:
 
 
 # ---- a busy engine: 64 requests in flight, always -------------------------------------------
-
-
-@contextlib.contextmanager
-def browser_page(url: str) -> Iterator[tuple[object, object]]:
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1300})
-            page.set_default_timeout(120_000)
-            sync_api.expect.set_options(timeout=120_000)
-            with PageLog(page):  # a failing test prints what the page saw
-                page.goto(url)
-                yield browser, page
-        finally:
-            browser.close()
 
 
 class FrameMeter:
@@ -168,7 +145,7 @@ def test_live_page_at_64_requests_and_5000_steps(tiny_llama_dir: Path) -> None:
     with (
         running_engine(tiny_llama_dir, *flags) as engine,
         running_app(engine) as app,
-        browser_page(app) as (_, page),
+        tab(app, timeout_ms=120_000) as page,
     ):
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
         meter = FrameMeter(page, b"stepscope.live")
@@ -253,12 +230,17 @@ def _submit_ids(ws: object, cid: str, ids: list[int], max_tokens: int) -> int:
         assert not (msg.get("type") == "error" and msg.get("id") == cid), msg
 
 
-def test_kv_page_map_marks_shared_pages_and_frees_an_aborted_request(
+def test_page_map_zoom_and_abort_while_two_requests_share_a_prefix(
     live_app: tuple[str, str],
 ) -> None:
-    """A short request leaves a 256-token prefix in the radix cache; two long requests that
-    start with it both hit it, and the map marks those pages shared. Aborting one frees its own
-    cells in the first map read after the abort, while the other keeps its."""
+    """One page, one busy stretch of the engine:
+    - a short request leaves a 256-token prefix in the radix cache; two long requests that start
+      with it both hit it, and the KV page map marks those pages shared;
+    - aborting one frees its own cells in the first map read after the abort, while the other
+      keeps its;
+    - a zoom survives ten live updates while the other decodes on (see
+      `_zoom_survives_live_updates`);
+    - the Abort button in the Requests tab then ends it, and the page says so."""
     from websockets.sync.client import connect
 
     engine, app = live_app
@@ -268,7 +250,7 @@ def test_kv_page_map_marks_shared_pages_and_frees_an_aborted_request(
     def suffix() -> list[int]:
         return [rng.randrange(3, 40000) for _ in range(40)]
 
-    with browser_page(app) as (_, page), connect(engine, max_size=2**27) as ws:
+    with tab(app, timeout_ms=120_000) as page, connect(engine, max_size=2**27) as ws:
         ws.recv()  # hello
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
         _open_tab(page, "KV page map")
@@ -278,9 +260,9 @@ def test_kv_page_map_marks_shared_pages_and_frees_an_aborted_request(
             if msg.get("type") == "request" and msg.get("uid") == seed:
                 if msg.get("event") == "finished":
                     break
-        # long enough to outlast the test on any machine; both are aborted below
-        first = _submit_ids(ws, "a", prefix + suffix(), 6000)
-        second = _submit_ids(ws, "b", prefix + suffix(), 6000)
+        # long enough to outlast the test on any machine: both are aborted below
+        first = _submit_ids(ws, "a", prefix + suffix(), LONG_TOKENS)
+        second = _submit_ids(ws, "b", prefix + suffix(), LONG_TOKENS)
         page.wait_for_function(
             f"() => {{ const s = ({SUMMARY_JS})(); return s && s.shared >= 256 "
             f"&& (s.owners['{first}'] || 0) > 0 && (s.owners['{second}'] || 0) > 0; }}"
@@ -299,25 +281,19 @@ def test_kv_page_map_marks_shared_pages_and_frees_an_aborted_request(
         first_after = page.evaluate(SUMMARY_JS)
         assert str(second) not in first_after["owners"]
         assert first_after["owners"].get(str(first), 0) > 0
-        ws.send(json.dumps({"type": "abort", "id": "y", "uid": first}))
-
-
-def test_abort_button_shows_success(live_app: tuple[str, str]) -> None:
-    with browser_page(live_app[1]) as (_, page):
-        sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
-        page.get_by_text("ignore EOS").click()
-        # 60,000 tokens, minutes of decoding: still running when the button is clicked
-        submit(page, "Tell me a very long story about the sea. " * 3, LONG_TOKENS)
-        submitted = status_line(page, re.compile(r"submitted: request \d+$"))
-        sync_api.expect(submitted).to_be_visible()
-        uid = int(submitted.inner_text().rsplit(" ", 1)[1])  # the module's engine ran others
-        abort = page.locator(f".st-key-abort-{uid} button").first
-        _open_tab(page, "Requests", abort)
+        # the other decodes on: enough steps drawn to zoom into the 80 before the last
+        page.wait_for_function(
+            f"() => Number((document.querySelector('{LIVE}') || {{dataset: {{}}}})"
+            ".dataset.steps) >= 100"
+        )
+        _zoom_survives_live_updates(page)
         # a click lost to a rerun is clicked again; one that aborted is not (a second abort of
         # the same request is refused: not in flight), however long the page takes to say so
+        abort = page.locator(f".st-key-abort-{first} button").first
+        _open_tab(page, "Requests", abort)
         act_until(
             abort.click,
-            status_line(page, f"request {uid} aborted"),
+            status_line(page, f"request {first} aborted"),
             again=lambda: (
                 page.get_by_test_id("stAlertContentError").count() == 0 and abort.count() > 0
             ),
@@ -341,23 +317,19 @@ def test_a_chart_script_that_failed_to_load_is_loaded_again(live_app: tuple[str,
             route.continue_()  # type: ignore[attr-defined]
 
     warnings: list[str] = []
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1300})
-            page.on("console", lambda m: warnings.append(m.text) if m.type == "warning" else None)
-            page.route("**/plotly.min.js", once)
-            page.route("**/view.js*", once)
-            page.goto(live_app[1])
-            sync_api.expect(page.locator(".stepscope-live")).to_have_count(1, timeout=60_000)
-            page.wait_for_function("() => !!window.Plotly", timeout=60_000)
-        finally:
-            browser.close()
+    with tab(None, timeout_ms=60_000) as page:
+        page.on("console", lambda m: warnings.append(m.text) if m.type == "warning" else None)
+        page.route("**/plotly.min.js", once)  # routing turns the browser's cache off
+        page.route("**/view.js*", once)
+        page.goto(live_app[1])
+        sync_api.expect(page.locator(".stepscope-live")).to_have_count(1)
+        page.wait_for_function("() => !!window.Plotly")
     assert failed == ["plotly.min.js", "view.js"], failed
     assert any("did not load; loading again in 1 s" in w for w in warnings), warnings
 
 
-LONG_TOKENS = 60_000
+# two requests of this many tokens decode for minutes, and their reservations fit the pool
+LONG_TOKENS = 30_000
 LONG_CONTEXT = 65_536
 
 
@@ -371,26 +343,10 @@ def tiny_llama_long_dir(smollm2_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def live_app(tiny_llama_long_dir: Path) -> Iterator[tuple[str, str]]:
-    """One engine and one page server for the module's tests (each opens its own page): 16
-    requests at once for the keeps-up test, a 64-token budget for the page map's prefix, and
-    room for the 60,000-token request."""
+    """One engine and one page server for the module's tests (each opens its own page): a
+    64-token budget for the page map's prefix, and room for two long requests."""
     flags = ("--max-running-req", "16", "--policy", "mixed", "--threads", "1")
     flags += ("--max-extend-tokens", "64", "--max-seq-len", str(LONG_CONTEXT))
     flags += ("--num-pages", str(LONG_CONTEXT))
     with running_engine(tiny_llama_long_dir, *flags) as engine, running_app(engine) as app:
         yield engine, app
-
-
-# last: its workload leaves requests decoding on the module's engine. How fast the page keeps
-# up with the engine is a benchmark's question (python -m bench.page_rate), not this test's.
-def test_a_zoom_survives_live_updates(live_app: tuple[str, str]) -> None:
-    engine, app = live_app
-    with browser_page(app) as (_, page):
-        sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
-        with Workload(engine, 16, max_tokens=900):
-            # enough steps drawn to zoom into the 80 before the last
-            page.wait_for_function(
-                f"() => Number((document.querySelector('{LIVE}') || {{dataset: {{}}}})"
-                ".dataset.steps) >= 100"
-            )
-            _zoom_survives_live_updates(page)

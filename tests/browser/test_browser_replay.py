@@ -29,16 +29,15 @@ def replay_page(runs: dict) -> Iterator[str]:
 
 @pytest.mark.browser
 def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_path: Path) -> None:
-    from tests.browser.harness import CHROMIUM
+    from tests.browser.harness import CHROMIUM, tab
     from tests.browser.test_browser import act_until
-    from tests.browser.test_browser_live import browser_page
 
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed at /usr/bin/chromium")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     expect = sync_api.expect
     rec = Recording.load(runs["a"])
-    with browser_page(replay_page) as (_, page):
+    with tab(replay_page, timeout_ms=120_000) as page:
         box = page.locator(".st-key-replay_path input")
 
         def open_a() -> None:  # an Enter lost to a rerun leaves the path in the box, unsent

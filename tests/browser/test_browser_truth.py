@@ -2,8 +2,8 @@
 chromium: a refused form value, a refused budget, the headline of an idle engine, the steps the
 headline covers, a retracted request's stall, and the replay scrubber during playback.
 
-One engine (the tiny random Llama, 600 KV pages, its record written to a trace), one page server
-and one browser serve the module; each test opens its own tab. The replay test runs last: it
+One engine (the tiny random Llama, 600 KV pages, its record written to a trace) and one page
+server serve the module; each test opens its own tab. The replay test runs last: it
 opens the trace the others wrote.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, PageLog, running_app, running_engine
+from tests.browser.harness import CHROMIUM, running_app, running_engine, tab
 from tests.browser.test_browser import act_until, status_line
 
 pytestmark = [
@@ -42,33 +42,18 @@ def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     trace = tmp_path_factory.mktemp("truth") / "run.jsonl"
     flags = ("--num-pages", "600", "--max-running-req", "8", "--threads", "1")
     flags += ("--http-port", "none", "--trace", str(trace))
-    with (
-        running_engine(tiny_llama_dir, *flags) as engine,
-        running_app(engine) as app,
-        sync_api.sync_playwright() as pw,
-    ):
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield {"app": app, "browser": browser, "trace": trace}
-        finally:
-            browser.close()
+    with running_engine(tiny_llama_dir, *flags) as engine, running_app(engine) as app:
+        yield {"app": app, "trace": trace}
 
 
 @pytest.fixture
 def page(served: dict) -> Iterator[object]:
     """A new tab on the page, connected, with Clear history pressed (a fresh record)."""
-    tab = served["browser"].new_page(viewport={"width": 1600, "height": 1300})
-    tab.set_default_timeout(TIMEOUT_MS)
-    expect.set_options(timeout=TIMEOUT_MS)
-    try:
-        with PageLog(tab):
-            tab.goto(served["app"])
-            expect(tab.get_by_text("connected", exact=True)).to_be_visible()
-            tab.get_by_role("button", name="Clear history").click()
-            expect(tab.get_by_text("history cleared")).to_be_visible()
-            yield tab
-    finally:
-        tab.close()
+    with tab(served["app"], timeout_ms=TIMEOUT_MS) as page:
+        expect(page.get_by_text("connected", exact=True)).to_be_visible()
+        page.get_by_role("button", name="Clear history").click()
+        expect(page.get_by_text("history cleared")).to_be_visible()
+        yield page
 
 
 def metric(page: object, label: str) -> object:

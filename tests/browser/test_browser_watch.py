@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.harness import CHROMIUM, CHROMIUM_ARGS, ROOT, running_app, stop_process
+from tests.browser.harness import CHROMIUM, ROOT, running_app, stop_process, tab
 
 pytestmark = [
     pytest.mark.browser,
@@ -89,7 +89,7 @@ def capture_messages(tmp_path: Path) -> list[dict]:
 def test_page_draws_a_recorded_vllm_run_with_its_kv_and_kv_events(tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     pytest.importorskip("msgpack")
-    expect, sync_playwright = sync_api.expect, sync_api.sync_playwright
+    expect = sync_api.expect
     messages = capture_messages(tmp_path)
     steps = [m for m in messages if m["type"] == "step"]
     kv = [m for m in messages if m["type"] == "kv_events"]
@@ -98,60 +98,50 @@ def test_page_draws_a_recorded_vllm_run_with_its_kv_and_kv_events(tmp_path: Path
     with (
         running_watch(*CAPTURE_ARGS) as ws_url,
         running_app(ws_url) as page_url,
-        sync_playwright() as pw,
+        tab(page_url, width=1500, height=2200) as page,
     ):
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 2200})
-            page.set_default_timeout(90_000)
-            expect.set_options(timeout=90_000)
-            page.goto(page_url)
-            expect(page.get_by_text("connected", exact=True)).to_be_visible()
-            expect(page.get_by_text("vllm-log").first).to_be_visible()
+        expect(page.get_by_text("connected", exact=True)).to_be_visible()
+        expect(page.get_by_text("vllm-log").first).to_be_visible()
 
-            # Its steps: one bar per iteration line with vLLM's own counts, and the KV usage
-            # vLLM printed on every line.
-            page.wait_for_function(
-                f"() => (({TRACE_Y_JS})('prompt tokens computed') || []).length >= {len(steps)}"
-            )
-            assert page.evaluate(TRACE_Y_JS, "prompt tokens computed") == [
-                s["prompt_tokens"] for s in steps
-            ]
-            assert page.evaluate(TRACE_Y_JS, "KV usage %") == pytest.approx(
-                [100 * s["kv"]["usage"] for s in steps]
-            )
-            assert page.evaluate(LANE_BARS_JS) == len(steps)  # the engine's lane
-            expect(page.get_by_text("Step times are estimated").first).to_be_visible()
-            expect(page.get_by_text("No per-request lanes").first).to_be_visible()
+        # Its steps: one bar per iteration line with vLLM's own counts, and the KV usage
+        # vLLM printed on every line.
+        page.wait_for_function(
+            f"() => (({TRACE_Y_JS})('prompt tokens computed') || []).length >= {len(steps)}"
+        )
+        assert page.evaluate(TRACE_Y_JS, "prompt tokens computed") == [
+            s["prompt_tokens"] for s in steps
+        ]
+        assert page.evaluate(TRACE_Y_JS, "KV usage %") == pytest.approx(
+            [100 * s["kv"]["usage"] for s in steps]
+        )
+        assert page.evaluate(LANE_BARS_JS) == len(steps)  # the engine's lane
+        expect(page.get_by_text("Step times are estimated").first).to_be_visible()
+        expect(page.get_by_text("No per-request lanes").first).to_be_visible()
 
-            # The controls that would command the engine are unavailable, and the page says why.
-            reason = "cannot submit, abort or change its configuration"
-            for what in ("Submitting prompts:", "Budget and policy:", "Workloads:"):
-                expect(page.get_by_text(what).first).to_be_visible()
-            assert page.get_by_text(reason).count() >= 3
-            expect(page.get_by_role("button", name="Submit")).to_have_count(0)
-            expect(page.locator(".st-key-budget_slider")).to_have_count(0)
-            expect(page.locator("[class*='st-key-preset-'] button").first).to_be_disabled()
+        # The controls that would command the engine are unavailable, and the page says why.
+        reason = "cannot submit, abort or change its configuration"
+        for what in ("Submitting prompts:", "Budget and policy:", "Workloads:"):
+            expect(page.get_by_text(what).first).to_be_visible()
+        assert page.get_by_text(reason).count() >= 3
+        expect(page.get_by_role("button", name="Submit")).to_have_count(0)
+        expect(page.locator(".st-key-budget_slider")).to_have_count(0)
+        expect(page.locator("[class*='st-key-preset-'] button").first).to_be_disabled()
 
-            # Its KV events: blocks held after each batch, and the hit rate from the reuse
-            # vLLM announced when the long prompt came again.
-            expect(page.get_by_text("Prefix cache (KV events)")).to_be_visible()
-            page.wait_for_function(
-                f"() => (({TRACE_Y_JS})('blocks held') || []).length >= {len(kv)}"
-            )
-            assert page.evaluate(TRACE_Y_JS, "blocks held") == [m["blocks"] for m in kv]
-            rates = page.evaluate(TRACE_Y_JS, "prefix-cache hit rate (blocks)")
-            assert rates[-1] == pytest.approx(
-                100
-                * sum(m["reused_blocks"] for m in kv)
-                / sum(m["reused_blocks"] + m["stored_blocks"] for m in kv)
-            )
+        # Its KV events: blocks held after each batch, and the hit rate from the reuse
+        # vLLM announced when the long prompt came again.
+        expect(page.get_by_text("Prefix cache (KV events)")).to_be_visible()
+        page.wait_for_function(f"() => (({TRACE_Y_JS})('blocks held') || []).length >= {len(kv)}")
+        assert page.evaluate(TRACE_Y_JS, "blocks held") == [m["blocks"] for m in kv]
+        rates = page.evaluate(TRACE_Y_JS, "prefix-cache hit rate (blocks)")
+        assert rates[-1] == pytest.approx(
+            100
+            * sum(m["reused_blocks"] for m in kv)
+            / sum(m["reused_blocks"] + m["stored_blocks"] for m in kv)
+        )
 
-            shot = tmp_path / "watch-vllm-capture.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 10_000
-            keep = os.environ.get("STEPSCOPE_SCREENSHOTS")  # docs: assets/watch-vllm-capture.png
-            if keep:
-                shutil.copy(shot, Path(keep) / shot.name)
-        finally:
-            browser.close()
+        shot = tmp_path / "watch-vllm-capture.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        keep = os.environ.get("STEPSCOPE_SCREENSHOTS")  # docs: assets/watch-vllm-capture.png
+        if keep:
+            shutil.copy(shot, Path(keep) / shot.name)
