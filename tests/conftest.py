@@ -51,10 +51,11 @@ def warm_bytecode() -> None:
 BROWSER_QUEUES = {
     "test_browser_live.py": "browser-a",
     "test_browser_first_minute.py": "browser-a",
-    "test_browser.py": "browser-c",
+    "test_browser_delays.py": "browser-a",
     "test_browser_watch.py": "browser-c",
     "test_browser_fleet.py": "browser-c",
     "test_browser_admission.py": "browser-c",
+    "test_browser_replay.py": "browser-c",
 }
 
 

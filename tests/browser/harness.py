@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,46 @@ def tab(
     finally:
         with contextlib.suppress(Exception):
             page.close()
+
+
+def status_line(page: Any, text: Any) -> Any:
+    """The page's status line (not the toast that repeats it)."""
+    return page.get_by_test_id("stAlertContentSuccess").get_by_text(text)
+
+
+def act_until(
+    act: Callable[[], None],
+    shown: Any,
+    again: Callable[[], bool] | None = None,
+    tries: int = 3,
+    each_ms: int = 20_000,
+) -> None:
+    """Do `act` until `shown` (a locator) is visible. On a busy machine a rerun that reaches the
+    browser between a key press or click and its commit can re-render the widget with its old
+    value, and the interaction is lost (seen on CI: the budget slider still at 32 after 90 s).
+    A user does it again; so does this, while `again()` says the effect is not under way."""
+    from playwright.sync_api import expect
+
+    for k in range(tries):
+        act()
+        try:
+            expect(shown).to_be_visible(timeout=each_ms)
+            return
+        except AssertionError:
+            if k == tries - 1:
+                raise
+            if again is not None and not again():
+                expect(shown).to_be_visible()  # under way: wait it out
+                return
+
+
+def submit(page: Any, prompt: str, max_tokens: int, copies: int | None = None) -> None:
+    """Type a prompt, its max_tokens (and how many copies) into the form and click Submit."""
+    page.get_by_label("Prompt").fill(prompt)
+    page.locator(".st-key-max_tokens input").fill(str(max_tokens))
+    if copies is not None:
+        page.locator(".st-key-copies input").fill(str(copies))
+    page.get_by_role("button", name="Submit").click()
 
 
 APP_LOGS: dict[str, Path] = {}  # a running app's URL: its process's output

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.browser import test_browser
-from tests.browser.harness import running_app, running_engine, tab
-from tests.browser.test_browser import act_until, status_line
+from tests.browser import test_browser_live
+from tests.browser.harness import act_until, running_app, running_engine, status_line, tab
 from tests.browser.test_browser_live import SHOTS, TIMELINE, sync_api
 
 N_PRESET = 16  # the preset's requests
@@ -112,4 +111,4 @@ def test_kv_pressure_preset_under_both_admission_modes(tiny_llama_dir: Path) -> 
             page.locator(".stepscope-live").screenshot(path=str(Path(SHOTS) / "kv-pressure-kv.png"))
 
 
-pytestmark = test_browser.pytestmark
+pytestmark = test_browser_live.pytestmark

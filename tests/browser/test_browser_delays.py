@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.harness import CHROMIUM, running_app, running_engine, tab
-from tests.browser.test_browser import act_until, status_line
+from tests.browser.harness import CHROMIUM, act_until, running_app, running_engine, status_line, tab
 
 pytestmark = [
     pytest.mark.browser,

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.harness import CHROMIUM, free_port, running_app, tab
-from tests.browser.test_browser import submit
+from tests.browser.harness import CHROMIUM, free_port, running_app, submit, tab
 
 pytestmark = [
     pytest.mark.browser,

@@ -32,11 +32,12 @@ from tests.browser.browser_floor import FLOOR_JS
 from tests.browser.harness import (
     CHROMIUM,
     Workload,
+    act_until,
     running_app,
     running_engine,
+    status_line,
     tab,
 )
-from tests.browser.test_browser import act_until, status_line
 
 pytestmark = [
     pytest.mark.browser,

@@ -29,8 +29,7 @@ def replay_page(runs: dict) -> Iterator[str]:
 
 @pytest.mark.browser
 def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_path: Path) -> None:
-    from tests.browser.harness import CHROMIUM, tab
-    from tests.browser.test_browser import act_until
+    from tests.browser.harness import CHROMIUM, act_until, tab
 
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed at /usr/bin/chromium")

@@ -1,10 +1,12 @@
-"""What a new user's first hour showed the page getting wrong, each seen again in Debian's
-chromium: a refused form value, a refused budget, the headline of an idle engine, the steps the
-headline covers, a retracted request's stall, and the replay scrubber during playback.
+"""The live page in Debian's chromium: a prompt's steps reach the charts chunked by the budget,
+and the budget slider moves the budget for a later prompt. Then what a new user's first hour
+showed the page getting wrong, each seen again: a refused form value, a refused budget, the
+headline of an idle engine, the steps the headline covers, a retracted request's stall, and the
+replay scrubber during playback.
 
-One engine (the tiny random Llama, 600 KV pages, its record written to a trace) and one page
-server serve the module; each test opens its own tab. The replay test runs last: it
-opens the trace the others wrote.
+One engine (the tiny random Llama, 600 KV pages, a budget of 32 under prefill-first, its record
+written to a trace) and one page server serve the module; each test opens its own tab. The
+replay test runs last: it opens the trace the others wrote.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.harness import CHROMIUM, running_app, running_engine, tab
-from tests.browser.test_browser import act_until, status_line
+from tests.browser.harness import (
+    CHROMIUM,
+    act_until,
+    running_app,
+    running_engine,
+    status_line,
+    submit,
+    tab,
+)
 
 pytestmark = [
     pytest.mark.browser,
@@ -41,6 +50,7 @@ def shot(page: object, name: str) -> None:
 def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     trace = tmp_path_factory.mktemp("truth") / "run.jsonl"
     flags = ("--num-pages", "600", "--max-running-req", "8", "--threads", "1")
+    flags += ("--max-extend-tokens", "32", "--policy", "prefill_first")
     flags += ("--http-port", "none", "--trace", str(trace))
     with running_engine(tiny_llama_dir, *flags) as engine, running_app(engine) as app:
         yield {"app": app, "trace": trace}
@@ -61,11 +71,63 @@ def metric(page: object, label: str) -> object:
     return page.locator("[data-testid='stMetric']", has_text=label)  # type: ignore[attr-defined]
 
 
-def submit(page: object, prompt: str, max_tokens: int, copies: int = 1) -> None:
-    page.get_by_label("Prompt").fill(prompt)  # type: ignore[attr-defined]
-    page.locator(".st-key-max_tokens input").fill(str(max_tokens))  # type: ignore[attr-defined]
-    page.locator(".st-key-copies input").fill(str(copies))  # type: ignore[attr-defined]
-    page.get_by_role("button", name="Submit").click()  # type: ignore[attr-defined]
+# Reads the timeline figure as plotly.js drew it (its full, decoded traces).
+LAST_BUDGET_JS = """() => {
+    const gd = document.querySelector('.stepscope-live .sl-timeline');
+    if (!gd || !gd.data) return null;
+    const t = gd.data.find(t => (t.name || '').startsWith('budget'));
+    return t && t.y && t.y.length ? Number(t.y[t.y.length - 1]) : null;
+}"""
+PROMPT_PIECES_JS = """(uid) => {
+    const gd = document.querySelector('.stepscope-live .sl-timeline');
+    if (!gd || !gd.data) return [];
+    const t = gd.data.find(t => (t.name || '').startsWith('prompt chunk (hatched)'));
+    if (!t || !t.customdata) return [];
+    const out = [];
+    for (let i = 0; i < t.customdata.length; i++) {
+        if (Number(t.customdata[i][0]) === uid) out.push(Number(t.y[i]));
+    }
+    return out;
+}"""
+
+
+def submitted_uid(page: object) -> int:
+    """The uid the status line names for the prompt just submitted."""
+    line = status_line(page, re.compile(r"submitted: request \d+$"))
+    expect(line).to_be_visible()
+    return int(line.inner_text().rsplit(" ", 1)[1])
+
+
+def test_submit_watch_steps_and_move_the_budget_slider(page: object, tmp_path: Path) -> None:
+    """A prompt's steps reach the live charts in chunks of at most the budget (32, the engine's
+    start); the slider moves the budget to 16, then 8, and a later prompt is chunked by 8."""
+    page.get_by_text("ignore EOS").click()  # type: ignore[attr-defined]  # a random model may stop early
+    submit(page, "The sea was calm and the boats were out. " * 6, 24)
+    first = submitted_uid(page)
+    page.wait_for_function(f"() => ({PROMPT_PIECES_JS})({first}).length >= 2")  # type: ignore[attr-defined]
+    assert max(page.evaluate(PROMPT_PIECES_JS, first)) <= 32  # type: ignore[attr-defined]
+    assert page.evaluate(LAST_BUDGET_JS) == 32  # type: ignore[attr-defined]
+
+    slider = page.locator(".st-key-budget_slider input[type='range']")  # type: ignore[attr-defined]
+    exact = page.locator(".st-key-budget_exact input")  # type: ignore[attr-defined]
+    for old, new in [(32, 16), (16, 8)]:  # one step left each
+        act_until(
+            lambda: slider.press("ArrowLeft"),
+            status_line(page, f"max_extend_tokens={new}"),
+            again=lambda old=old: exact.input_value() == str(old),
+        )
+    expect(exact).to_have_value("8")
+
+    submit(page, "A second prompt arrives after the budget changed. " * 4, 8)
+    second = submitted_uid(page)
+    assert second > first
+    page.wait_for_function(f"() => ({LAST_BUDGET_JS})() === 8")  # type: ignore[attr-defined]
+    page.wait_for_function(f"() => ({PROMPT_PIECES_JS})({second}).length >= 3")  # type: ignore[attr-defined]
+    assert max(page.evaluate(PROMPT_PIECES_JS, second)) <= 8  # type: ignore[attr-defined]
+    expect(page.get_by_text("budget 8").first).to_be_visible()  # type: ignore[attr-defined]
+    shot = tmp_path / "dashboard.png"
+    page.screenshot(path=str(shot))  # type: ignore[attr-defined]
+    assert shot.stat().st_size > 10_000
 
 
 def test_a_bad_form_value_is_refused_with_a_message(page: object) -> None:
