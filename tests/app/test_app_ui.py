@@ -107,6 +107,12 @@ def test_exact_budget_refuses_what_is_not_a_budget(app: AppTest, peer: AppPeer, 
     assert peer.sim.config["max_extend_tokens"] == 64
     assert any("max_extend_tokens must be" in t for t in texts(app.error))
     assert app.text_input(key="budget_exact").value == "64"
+    # the slider left at another value (a browser's stale one): the box still shows the engine's
+    app.session_state["budget_slider"] = 1
+    app.text_input(key="budget_exact").set_value(f"{typed} ").run()
+    assert peer.sim.config["max_extend_tokens"] == 64
+    assert app.text_input(key="budget_exact").value == "64"
+    assert app.select_slider(key="budget_slider").value == 64
 
 
 def test_policy_switch_sends_set_config(app: AppTest, peer: AppPeer) -> None:
