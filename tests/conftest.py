@@ -34,14 +34,27 @@ WARM = (
 )
 
 
+def convert_bundled_model() -> None:
+    """On a fresh machine, start converting the bundled model (about 20 CPU-s) now, to run while
+    the workers start, rather than when the first test asks for a model:
+    the tiny models take its tokenizer, so nearly every worker's first test waited on it, with
+    a core idle. Not waited for: a test that needs it waits on the conversion's file lock."""
+    from engine.models.loader import BUNDLED_NAME, cache_root
+
+    if not (cache_root() / BUNDLED_NAME / "config.json").is_file():
+        code = "from engine.models.loader import resolve; resolve('smollm2', progress=False)"
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+
+
 def warm_bytecode() -> None:
     """Compile what the test processes import, once, before they start (tests/__init__.py
     keeps it): on a fresh machine the workers, and the servers and pages they start, each
     compiled the same sources at once (the first minutes of a fresh run took about 70 s longer
     than a warm one). Two processes beside each other, as the machine's two cores."""
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT) for code in WARM]
-    for proc in procs:
-        proc.wait()
+    procs[0].wait()
+    convert_bundled_model()  # it imports what the first compiled
+    procs[1].wait()
 
 
 # The browser tests in three queues, by file (about equal time each). Each drives an engine, a
