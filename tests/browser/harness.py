@@ -272,10 +272,14 @@ LIVE_STATE_JS = """() => [...document.querySelectorAll('.stepscope-live')].map(r
 })"""
 
 
+OPEN_PAGE_LOGS: list[PageLog] = []  # a tab a fixture holds is still open when its test fails
+
+
 class PageLog:
     """What a page said while a test drove it (console messages, page errors, failed requests),
     and its live charts' state: printed when the test fails, so a failure seen only on a busy
-    CI machine says where the page stood."""
+    CI machine says where the page stood (for a tab a fixture holds, tests/browser/conftest.py
+    adds it to the failure's report)."""
 
     def __init__(self, page: object, keep: int = 40) -> None:
         self.page, self.keep = page, keep
@@ -310,8 +314,10 @@ class PageLog:
         return "\n".join(head + tail + server + ["---- the page's main area ----", outline])
 
     def __enter__(self) -> PageLog:
+        OPEN_PAGE_LOGS.append(self)
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
+        OPEN_PAGE_LOGS.remove(self)
         if kind is not None:
             print(f"---- the page when the test failed ----\n{self.report()}")
