@@ -33,17 +33,21 @@ STALL_PRESET = "Long prompt vs. chatting requests"
 FLAGS = ("--max-extend-tokens", "64", "--policy", "prefill_first", "--max-running-req", "8",
          "--max-seq-len", "2048", "--threads", "1", "--http-port", "none")  # fmt: skip
 
-# The middle of a red stall segment whose largest cause (a wait's causes come largest first:
-# "it waited 38 ms:<br>· 31 ms request 9's prompt [512:768] in steps 812–814<br>· 7 ms own
-# decode ...") is request `uid`'s prompt: its place on the screen, its lane, and the text the page put in it. A chat's
-# gap may also hold another chat's prompt, larger there than the long prompt's chunk.
+# The middle of a red stall segment whose causes (they come largest first: "it waited 38 ms:<br>·
+# 31 ms request 9's prompt [512:768] in steps 812–814<br>· 7 ms own decode ...") include request
+# `uid`'s prompt, the largest if any stall has it so: its place on the screen, its lane, and the
+# text the page put in it. A chat's gap may also hold another chat's prompt, larger there than
+# the long prompt's chunk; and on a loaded machine the time between steps can outweigh the tiny
+# model's chunks in every gap (seen: "277 ms — mostly time between steps").
 STALL_JS = """(uid) => {
     const gd = document.querySelector('.stepscope-live .sl-timeline');
     if (!gd || !gd._fullLayout || !gd.data) return null;
     const t = gd.data.find((t) => t.name === 'stall (no token this step)');
     if (!t || !t.customdata) return null;
     const first = new RegExp(`it waited [^:]*:<br>· [0-9.]+ m?s request ${uid}'s prompt `);
-    const k = t.customdata.findIndex((c) => first.test(String(c)));
+    const any = new RegExp(`<br>· [0-9.]+ m?s request ${uid}'s prompt `);
+    let k = t.customdata.findIndex((c) => first.test(String(c)));
+    if (k < 0) k = t.customdata.findIndex((c) => any.test(String(c)));
     if (k < 0) return null;
     const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis2, box = gd.getBoundingClientRect();
     return { x: box.left + xa._offset + xa.l2p(t.base[k] + t.x[k] / 2),
@@ -105,11 +109,12 @@ def test_a_stalled_gap_names_what_it_waited_for(page: object) -> None:
     expect(label.first).to_contain_text(f"request {long}'s prompt")
     text = label.first.text_content()
     assert stall["lane"] != f"req {long}" and text.startswith(f"{stall['lane']} · stall: ")
-    # its largest cause first: the long prompt's chunks, by token range and steps
-    causes = re.search(r"it waited ([\d.]+ m?s):· ([\d.]+ m?s) request (\d+)'s prompt \[(\d+):(\d+)\]"
-                       r" in (steps? [\d–]+)", text)  # fmt: skip
-    assert causes is not None, text
-    assert int(causes[3]) == long and int(causes[4]) < int(causes[5])
+    # among its causes, the long prompt's chunks, by token range and steps
+    assert re.search(r"it waited [\d.]+ m?s:·", text), text
+    causes = re.search(
+        rf"· [\d.]+ m?s request {long}'s prompt \[(\d+):(\d+)\] in steps? [\d–]+", text
+    )
+    assert causes is not None and int(causes[1]) < int(causes[2]), text
     # and the causes the label lists come largest first
     shown = [float(v) * (1e-3 if unit == "ms" else 1.0)
              for v, unit in re.findall(r"· ([\d.]+) (m?s) ", text)]  # fmt: skip
