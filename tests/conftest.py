@@ -43,7 +43,8 @@ def convert_bundled_model() -> None:
 
     if not (cache_root() / BUNDLED_NAME / "config.json").is_file():
         code = "from engine.models.loader import resolve; resolve('smollm2', progress=False)"
-        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+        quiet = subprocess.DEVNULL  # its progress bars would cut into pytest's output
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=quiet, stderr=quiet)
 
 
 def warm_bytecode() -> None:

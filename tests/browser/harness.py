@@ -157,6 +157,18 @@ def act_until(
                 return
 
 
+def enter_text(box: Any, text: str) -> None:
+    """Type `text` into a text box and press Enter. A commit lost to a rerun leaves the box
+    "clean" with the text in it, and Enter on an unchanged box sends nothing (seen: a recording's
+    path in the box three tries running, never opened): a box that holds something is cleared,
+    and that committed, first, so that the Enter is a change again."""
+    if box.input_value():
+        box.fill("")
+        box.press("Enter")
+    box.fill(text)
+    box.press("Enter")
+
+
 def submit(page: Any, prompt: str, max_tokens: int, copies: int | None = None) -> None:
     """Type a prompt, its max_tokens (and how many copies) into the form and click Submit."""
     page.get_by_label("Prompt").fill(prompt)

@@ -29,7 +29,7 @@ def replay_page(runs: dict) -> Iterator[str]:
 
 @pytest.mark.browser
 def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_path: Path) -> None:
-    from tests.browser.harness import CHROMIUM, act_until, tab
+    from tests.browser.harness import CHROMIUM, act_until, enter_text, tab
 
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed at /usr/bin/chromium")
@@ -39,11 +39,9 @@ def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_pat
     with tab(replay_page, timeout_ms=120_000) as page:
         box = page.locator(".st-key-replay_path input")
 
-        def open_a() -> None:  # an Enter lost to a rerun leaves the path in the box, unsent
-            box.fill(str(runs["a"]))
-            box.press("Enter")
-
-        act_until(open_a, page.get_by_text("replaying", exact=True))
+        act_until(
+            lambda: enter_text(box, str(runs["a"])), page.get_by_text("replaying", exact=True)
+        )
         # nothing that would command an engine is offered, and the page says why
         sidebar = page.locator("[data-testid='stSidebar']")
         expect(sidebar.get_by_text("no engine to act on", exact=False)).to_be_visible()
@@ -72,16 +70,9 @@ def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_pat
         other = page.locator(".st-key-compare_path input")
         heading = page.get_by_role("heading", name="Compare")
 
-        def enter_b() -> None:
-            # a commit lost to a rerun leaves the box "clean" with B in it: clear it first so
-            # that the next Enter is a change again
-            if other.input_value():
-                other.fill("")
-                other.press("Enter")
-            other.fill(str(runs["b"]))
-            other.press("Enter")
-
-        act_until(enter_b, heading, again=lambda: heading.count() == 0)
+        act_until(
+            lambda: enter_text(other, str(runs["b"])), heading, again=lambda: heading.count() == 0
+        )
         # the comparison: two charts drawn whole by the component, on one x range, and
         # zooming one zooms the other
         compared = (
@@ -109,9 +100,8 @@ def test_browser_opens_scrubs_and_compares(replay_page: str, runs: dict, tmp_pat
         # page, and a click on prefill-first's point opens that run
         page.get_by_text("Open sweep folder").click()
         folder = page.locator(".st-key-sweep_path input")
-        folder.fill(str(runs["dir"]))
-        folder.press("Enter")
         sweep = page.locator(".stepscope-sweep")
+        act_until(lambda: enter_text(folder, str(runs["dir"])), sweep)
         expect(sweep).to_have_attribute("data-runs", "2")
         expect(sweep).to_have_attribute("data-metric", "worst_stall_s")
         sweep.get_by_role("button", name="ITL p99.9").click()

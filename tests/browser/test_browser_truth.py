@@ -21,6 +21,7 @@ import pytest
 from tests.browser.harness import (
     CHROMIUM,
     act_until,
+    enter_text,
     running_app,
     running_engine,
     status_line,
@@ -208,12 +209,8 @@ def test_the_replay_scrubber_follows_playback(page: object, served: dict) -> Non
     slider stayed put); Pause pauses where it is (it restarted from the first step)."""
     box = page.locator(".st-key-replay_path input")  # type: ignore[attr-defined]
 
-    def open_trace() -> None:
-        box.fill(str(served["trace"]))
-        box.press("Enter")
-
     caption = page.get_by_text(re.compile(r"Replay of `?run\.jsonl`?: step \d+"))  # type: ignore[attr-defined]
-    act_until(open_trace, caption)
+    act_until(lambda: enter_text(box, str(served["trace"])), caption)
     thumb = page.locator(".st-key-replay_step input[type='range']")  # type: ignore[attr-defined]
     first = int(thumb.get_attribute("min") or 0)
 
