@@ -168,13 +168,14 @@ def show(field: str, value: Any) -> None:
 
 
 def lagging(config: dict[str, Any]) -> bool:
-    """The engine's config as the store shows it is one this tab set before its latest change,
-    and that change is recent: the store has not folded the newer broadcast yet."""
+    """The engine's config as the store shows it is not the one this tab set last, and that
+    change is recent: the store has not folded the newer broadcast yet (the reply to a
+    set_config comes first). Seen: the budget back at 8, set by another tab before, a moment
+    after this one set 48. A change made elsewhere meanwhile shows once STALE_S has passed."""
     mine = session.OWN_CONFIGS.get()
-    if len(mine) < 2 or time.monotonic() - mine[-1][1] > STALE_S:
+    if not mine or time.monotonic() - mine[-1][1] > STALE_S:
         return False
-    shown = {k: config.get(k) for k in SYNCED}
-    return any(shown == cfg for cfg, _ in mine[:-1]) and shown != mine[-1][0]
+    return {k: config.get(k) for k in SYNCED} != mine[-1][0]
 
 
 def sync_controls(config: dict[str, Any] | None) -> None:

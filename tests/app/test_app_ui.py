@@ -132,6 +132,34 @@ def test_controls_follow_a_config_changed_elsewhere(app: AppTest, peer: AppPeer)
     assert app.select_slider(key="budget_slider").value == 32
 
 
+def test_a_store_behind_this_tabs_own_change_does_not_undo_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine ran a budget of 8 (set by another tab); this tab sets 48, and the engine's
+    reply comes before the store folds the broadcast: the store still says 8 for a moment. The
+    controls keep 48 (they went back to 8), and follow a change made elsewhere once STALE_S has
+    passed. Session state in Streamlit's bare mode: the functions, without a page."""
+    from app import rerun, session
+
+    def config(budget: int) -> dict:
+        return {"max_extend_tokens": budget, "policy": "prefill_first", "admission": "reserve"}
+
+    for key in list(st.session_state):
+        del st.session_state[key]
+    now = [1000.0]
+    monkeypatch.setattr(rerun.time, "monotonic", lambda: now[0])
+    rerun.sync_controls(config(8))
+    assert session.BUDGET_EXACT.get() == "8"
+    rerun.remember_own(config(48))  # this tab's set_config, confirmed by the engine's reply
+    rerun.show("max_extend_tokens", 48)
+    now[0] += 0.5
+    rerun.sync_controls(config(8))  # the store, a moment behind
+    assert session.BUDGET_EXACT.get() == "48" and session.BUDGET_SLIDER.get() == 48
+    now[0] += rerun.STALE_S
+    rerun.sync_controls(config(16))  # another tab's change, later
+    assert session.BUDGET_EXACT.get() == "16" and session.BUDGET_SLIDER.get() == 16
+
+
 def test_a_stale_value_coming_back_from_the_browser_does_not_undo_a_sync(
     app: AppTest, peer: AppPeer
 ) -> None:
