@@ -151,9 +151,17 @@ def stale(field: str, value: object) -> bool:
     old = session.STALE[field].get()
     if old is None or old[0] != value or time.monotonic() - old[1] > STALE_S:
         return False
-    synced = session.SYNCED_CONFIG.get() or {}
-    show(field, synced[field])
+    show_in_force(field)
     return True
+
+
+def show_in_force(field: str) -> None:
+    """Make the control of `field` show the engine's value in force, as last synced: not the
+    widget's own value, which may be one the browser sent back from before the sync (seen: a
+    refused budget entry put back the slider's 1, not the 48 in force)."""
+    synced = session.SYNCED_CONFIG.get() or {}
+    if synced.get(field) is not None:
+        show(field, synced[field])
 
 
 def show(field: str, value: Any) -> None:

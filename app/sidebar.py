@@ -66,10 +66,7 @@ def _on_budget_exact(link: EngineLink) -> None:
         value = controls.parse_budget(typed)
     except ValueError as exc:
         session.notify(False, str(exc))
-        # the budget in force is the engine's: the slider may hold a value the browser sent back
-        # from before the last sync (seen on a loaded machine: the box showing 1, not 48)
-        in_force = (session.SYNCED_CONFIG.get() or {}).get("max_extend_tokens")
-        rerun.show("max_extend_tokens", in_force or session.BUDGET_SLIDER.get())
+        rerun.show_in_force("max_extend_tokens")
         return
     if rerun.stale("max_extend_tokens", value):
         return
