@@ -4,8 +4,8 @@
 the engine itself, on the bundled SmolLM2 as `streamlit run` does (about 5 s to load here; the
 tiny random Llama is ready in about 3 s, which a page's first render and two clicks can take on
 a loaded machine, so the prompt would not be held at all). While it loads, the user
-types a prompt and clicks Submit, and then clicks nothing else. Within 2 s of the sidebar's
-"connected", the page must be whole: the `max_extend_tokens` slider is there, the notice that the
+types a prompt and clicks Submit, and then clicks nothing else. Within a few seconds of the
+sidebar's "connected", the page must be whole: the `max_extend_tokens` slider is there, the notice that the
 prompt is held is gone, and the prompt's request runs. The held prompt then runs: its
 steps reach the live charts.
 
@@ -33,7 +33,11 @@ pytestmark = [
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 HELD = "your prompt is held"
-WHOLE_WITHIN_MS = 2_000
+# On a quiet machine one full run draws "connected" and the whole page together (0 ms apart).
+# Under the suite's load "connected" can come first, from the badge's own fragment, and the
+# held prompt's reply and one or two full runs of the page follow: 2.2 s seen. The bound tells
+# a page that redraws itself from one that waits for a click or a slow timer.
+WHOLE_WITHIN_MS = 5_000
 
 # Watches the page every 50 ms and notes when the held notice first shows, when the sidebar first
 # says "connected" and when the page is first whole (the budget slider drawn and the held notice
