@@ -34,15 +34,22 @@ def form(link: EngineLink, mode: external.ExternalMode) -> None:
             placeholder="Type a prompt, or pick a workload in the sidebar…",
         )
         c = st.columns([1, 1, 1, 1, 1, 1.2])
-        session.MAX_TOKENS.setdefault()
-        max_tokens = c[0].number_input("max_tokens", step=1, key=session.MAX_TOKENS.key)
-        session.TEMPERATURE.setdefault()
-        temperature = c[1].number_input(
-            "temperature", step=0.1, key=session.TEMPERATURE.key, help="0: greedy."
+        max_tokens = c[0].number_input(
+            "max_tokens", value=session.MAX_TOKENS.default(), step=1, key=session.MAX_TOKENS.key
         )
-        session.COPIES.setdefault()
+        temperature = c[1].number_input(
+            "temperature",
+            value=session.TEMPERATURE.default(),
+            step=0.1,
+            key=session.TEMPERATURE.key,
+            help="0: greedy.",
+        )
         copies = c[2].number_input(
-            "copies", step=1, key=session.COPIES.key, help=f"1 to {controls.MAX_COPIES}."
+            "copies",
+            value=session.COPIES.default(),
+            step=1,
+            key=session.COPIES.key,
+            help=f"1 to {controls.MAX_COPIES}.",
         )
         chat = c[3].toggle("chat template", value=True, key=session.CHAT.key)
         ignore_eos = c[4].toggle("ignore EOS", value=False, key=session.IGNORE_EOS.key)

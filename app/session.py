@@ -44,7 +44,9 @@ class Field(Generic[T]):
 
     `get()` reads it (the default if unset, without storing it); `setdefault()` stores the
     default first (for containers the caller mutates, and widgets that need a value); `set`,
-    `pop`, `present` as their names say. A widget is bound with `key=FIELD.key`."""
+    `pop`, `present` as their names say. A widget is bound with `key=FIELD.key`; a number box
+    also gets `value=FIELD.default()`, since a browser that loses a widget's state shows the
+    default the widget declared, and a number box's own is 0 (copies 0, max_tokens 0)."""
 
     __slots__ = ("key", "_default", "_factory")
 
@@ -59,6 +61,9 @@ class Field(Generic[T]):
         if self._factory is not None:
             return self._factory()
         return self._default  # type: ignore[return-value]  # None for an optional field
+
+    def default(self) -> T:
+        return self._new()
 
     def get(self) -> T:
         ss = st.session_state

@@ -199,6 +199,20 @@ def test_prompt_form_submits_copies_with_every_field(app: AppTest, peer: AppPeer
     assert "submitted: request 0, 1, 2" in texts(app.success)
 
 
+def test_the_form_declares_the_defaults_a_browser_falls_back_to(app: AppTest) -> None:
+    """A browser that loses a number box's state (a remount) shows the default the widget
+    declared in its message, not the value the server holds: undeclared, that is 0, and a
+    Submit nobody touched was refused with "copies must be between 1 and 64"."""
+    app.run()  # a later run: the boxes' values now come from the browser, not from the server
+    boxes = {k: app.number_input(key=k).proto for k in ("max_tokens", "temperature", "copies")}
+    assert {k: p.default for k, p in boxes.items()} == {
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "copies": 1,
+    }
+    assert not any(p.set_value for p in boxes.values())
+
+
 def test_empty_prompt_is_refused_in_the_page(app: AppTest, peer: AppPeer) -> None:
     app.button(key="FormSubmitter:prompt-Submit").click().run()
     assert peer.received("submit") == []
