@@ -18,6 +18,7 @@ STEPSCOPE_BROWSER_STEPS sets its steps in view (default 600; the recorded figure
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
@@ -38,6 +39,7 @@ from tests.browser.harness import (
     status_line,
     tab,
 )
+from tests.server.test_server_support import ProtoClient
 
 pytestmark = [
     pytest.mark.browser,
@@ -220,15 +222,12 @@ SUMMARY_JS = """() => {
 }"""
 
 
-def _submit_ids(ws: object, cid: str, ids: list[int], max_tokens: int) -> int:
+def _submit_ids(client: ProtoClient, cid: str, ids: list[int], max_tokens: int) -> int:
     """Submit token ids over the protocol and return the request's uid."""
     cmd = {"type": "submit", "id": cid, "input_ids": ids, "max_tokens": max_tokens}
-    ws.send(json.dumps({**cmd, "ignore_eos": True}))  # type: ignore[attr-defined]
-    while True:
-        msg = json.loads(ws.recv())  # type: ignore[attr-defined]
-        if msg.get("type") == "accepted" and msg.get("id") == cid:
-            return int(msg["uid"])
-        assert not (msg.get("type") == "error" and msg.get("id") == cid), msg
+    reply = client.reply({**cmd, "ignore_eos": True})
+    assert reply["type"] == "accepted", reply
+    return int(reply["uid"])
 
 
 def test_page_map_zoom_and_abort_while_two_requests_share_a_prefix(
@@ -242,7 +241,6 @@ def test_page_map_zoom_and_abort_while_two_requests_share_a_prefix(
     - a zoom survives ten live updates while the other decodes on (see
       `_zoom_survives_live_updates`);
     - the Abort button in the Requests tab then ends it, and the page says so."""
-    from websockets.sync.client import connect
 
     engine, app = live_app
     rng = random.Random(5)
@@ -251,19 +249,17 @@ def test_page_map_zoom_and_abort_while_two_requests_share_a_prefix(
     def suffix() -> list[int]:
         return [rng.randrange(3, 40000) for _ in range(40)]
 
-    with tab(app, timeout_ms=120_000) as page, connect(engine, max_size=2**27) as ws:
-        ws.recv()  # hello
+    with tab(app, timeout_ms=120_000) as page, contextlib.closing(ProtoClient(engine)) as client:
         sync_api.expect(page.get_by_text("connected", exact=True)).to_be_visible()
         _open_tab(page, "KV page map")
-        seed = _submit_ids(ws, "seed", prefix + suffix(), 1)
-        while True:  # its prompt is in the prefix cache once it finished
-            msg = json.loads(ws.recv())
-            if msg.get("type") == "request" and msg.get("uid") == seed:
-                if msg.get("event") == "finished":
-                    break
+        seed = _submit_ids(client, "seed", prefix + suffix(), 1)
+        # its prompt is in the prefix cache once it finished (the event may come before the
+        # reply to its submit: the client keeps it)
+        client.until(lambda m: m["type"] == "request" and m.get("uid") == seed
+                     and m.get("event") == "finished")  # fmt: skip
         # long enough to outlast the test on any machine: both are aborted below
-        first = _submit_ids(ws, "a", prefix + suffix(), LONG_TOKENS)
-        second = _submit_ids(ws, "b", prefix + suffix(), LONG_TOKENS)
+        first = _submit_ids(client, "a", prefix + suffix(), LONG_TOKENS)
+        second = _submit_ids(client, "b", prefix + suffix(), LONG_TOKENS)
         page.wait_for_function(
             f"() => {{ const s = ({SUMMARY_JS})(); return s && s.shared >= 256 "
             f"&& (s.owners['{first}'] || 0) > 0 && (s.owners['{second}'] || 0) > 0; }}"
@@ -271,12 +267,10 @@ def test_page_map_zoom_and_abort_while_two_requests_share_a_prefix(
         if SHOTS:
             page.mouse.move(5, 1200)
             page.locator(".stepscope-kvmap").screenshot(path=str(Path(SHOTS) / "kv-page-map.png"))
-        ws.send(json.dumps({"type": "abort", "id": "x", "uid": second}))
-        while True:  # the broadcast `aborted` event says when the engine let it go
-            msg = json.loads(ws.recv())
-            if msg.get("type") == "request" and msg.get("event") == "aborted":
-                t_abort = msg["t"]
-                break
+        client.send({"type": "abort", "id": "x", "uid": second})
+        # the broadcast `aborted` event says when the engine let it go
+        t_abort = client.until(lambda m: m["type"] == "request" and m.get("uid") == second
+                               and m.get("event") == "aborted")["t"]  # fmt: skip
         # the first page map read after the abort no longer shows it; the other still holds its
         page.wait_for_function(f"() => ({SUMMARY_JS})().t > {t_abort}")
         first_after = page.evaluate(SUMMARY_JS)

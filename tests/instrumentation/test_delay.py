@@ -138,8 +138,11 @@ def chapter(tiny_llama_dir: Path) -> dict[str, tuple[list[Msg], list[int], int]]
 
 
 def test_the_chats_stalls_are_charged_to_the_long_prompt(chapter: dict) -> None:
-    """Prefill-first, a budget of 16: the long prompt's 63 chunks run while the chats wait. At
-    least 90% of each chat's stall time (instrumentation.metrics' stall) is the long prompt's."""
+    """Prefill-first, a budget of 16: the long prompt's 63 chunks run while the chats wait. In
+    each chat's stall (instrumentation.metrics' stall) every step before the one that decoded
+    its token is charged whole to the long prompt; the rest is that decode step and the time
+    between steps. (How the seconds divide follows the machine: on a loaded one a descheduled
+    decode step took a sixth of a stall.)"""
     msgs, chats, long = chapter["prefill_first"]
     fold = Fold(max_steps=None, delays=True)
     for m in msgs:
@@ -149,13 +152,17 @@ def test_the_chats_stalls_are_charged_to_the_long_prompt(chapter: dict) -> None:
         stalled = sum(stall_gaps(rec.token_times, rec.token_steps))  # type: ignore[union-attr]
         stalls = [g for g in request_gaps(fold, uid) if g.stall]
         assert stalled > 0 and sum(g.seconds for g in stalls) == pytest.approx(stalled)
-        charged = sum(c.seconds for g in stalls for c in g.charges
-                      if c.part == "by" and c.uid == long)  # fmt: skip
-        # the time between steps is the machine's, no request's: on a quiet machine a few
-        # percent of a stall, on a loaded CI machine (the engine's thread waiting for a core)
-        # up to 12% once. At least 90% of the rest is the long prompt's.
-        host = sum(c.seconds for g in stalls for c in g.charges if c.part == "host")
-        assert charged >= 0.9 * (stalled - host), (uid, charged, host, stalled)
+        for g in stalls:
+            assert g.first_step is not None and g.last_step is not None
+            chunks = [c for c in g.charges if c.part == "by" and c.uid == long]
+            covered = {n for c in chunks for n in range(c.first_step, c.last_step + 1)}
+            assert sum(c.steps for c in chunks) == len(covered)  # runs of steps, none skipped
+            assert covered == set(range(g.first_step, g.last_step)), g.describe()
+            assert all(c.kind == "prompt" and c.seconds > 0 for c in chunks)
+            rest = [c for c in g.charges if c.part != "host" and c not in chunks]
+            assert rest and all(
+                c.kind == "decode" and c.first_step == c.last_step == g.last_step for c in rest
+            ), g.describe()
     cause = worst_stall_cause(fold)
     assert cause is not None and cause.uid in chats
     assert cause.phrase.endswith(f"mostly request {long}'s prompt"), cause.phrase
@@ -169,10 +176,16 @@ def test_under_mixed_the_chats_are_charged_only_what_the_chunks_added(chapter: d
         fold.apply(m)
     steps = [m for m in msgs if m["type"] == "step"]
     mixed_span = sum(s["t1"] - s["t0"] for s in steps if s["phase"] == "mixed")
+    charged = 0.0
     for uid in chats:
         d = fold.get(uid).delay  # type: ignore[union-attr]
         assert fold.get(uid).max_stall is None  # type: ignore[union-attr]
-        assert 0 < d.by[long] < mixed_span  # never the whole mixed step: its decodes are own
+        # never the whole mixed step: its decodes are own. A mixed step no slower than the
+        # run's decode-only steps (instrumentation.step_cost) charges its chunk nothing: on a
+        # loaded machine the decode-only steps' median can be that slow
+        assert 0 <= d.by.get(long, 0.0) < mixed_span
+        charged += d.by.get(long, 0.0)
+    assert charged > 0
 
 
 # ---- live, replay, the page, a late client, the trace export: one figure ----------------
