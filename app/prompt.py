@@ -8,6 +8,8 @@ engine is still starting); to a watched SGLang or vLLM, to its OpenAI endpoint.
 
 from __future__ import annotations
 
+from typing import Any
+
 import streamlit as st
 
 from app import controls, external, session, workloads
@@ -34,28 +36,20 @@ def form(link: EngineLink, mode: external.ExternalMode) -> None:
             placeholder="Type a prompt, or pick a workload in the sidebar…",
         )
         c = st.columns([1, 1, 1, 1, 1, 1.2])
-        max_tokens = c[0].number_input(
-            "max_tokens", value=session.MAX_TOKENS.default(), step=1, key=session.MAX_TOKENS.key
-        )
-        temperature = c[1].number_input(
-            "temperature",
-            value=session.TEMPERATURE.default(),
-            step=0.1,
-            key=session.TEMPERATURE.key,
-            help="0: greedy.",
-        )
-        copies = c[2].number_input(
-            "copies",
-            value=session.COPIES.default(),
-            step=1,
-            key=session.COPIES.key,
-            help=f"1 to {controls.MAX_COPIES}.",
-        )
+        max_tokens = _number(c[0], "max_tokens", session.MAX_TOKENS, 1)
+        temperature = _number(c[1], "temperature", session.TEMPERATURE, 0.1, "0: greedy.")
+        copies = _number(c[2], "copies", session.COPIES, 1, f"1 to {controls.MAX_COPIES}.")
         chat = c[3].toggle("chat template", value=True, key=session.CHAT.key)
         ignore_eos = c[4].toggle("ignore EOS", value=False, key=session.IGNORE_EOS.key)
         submitted = c[5].form_submit_button("Submit", type="primary", width="stretch")
     if submitted:
         submit(link, mode, text or "", max_tokens, temperature, copies, chat, ignore_eos)
+
+
+def _number(
+    col: Any, label: str, field: session.Field, step: float, help: str | None = None
+) -> Any:
+    return col.number_input(label, value=field.default(), step=step, key=field.key, help=help)
 
 
 def submit(

@@ -57,26 +57,23 @@ class Field(Generic[T]):
         self._default = default
         self._factory = factory
 
-    def _new(self) -> T:
+    def default(self) -> T:
         if self._factory is not None:
             return self._factory()
         return self._default  # type: ignore[return-value]  # None for an optional field
 
-    def default(self) -> T:
-        return self._new()
-
     def get(self) -> T:
         ss = st.session_state
-        return ss[self.key] if self.key in ss else self._new()
+        return ss[self.key] if self.key in ss else self.default()
 
     def setdefault(self) -> T:
-        return st.session_state.setdefault(self.key, self._new())
+        return st.session_state.setdefault(self.key, self.default())
 
     def set(self, value: T) -> None:
         st.session_state[self.key] = value
 
     def pop(self) -> T:
-        return st.session_state.pop(self.key, self._new())
+        return st.session_state.pop(self.key, self.default())
 
     def present(self) -> bool:
         return self.key in st.session_state
