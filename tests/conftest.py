@@ -59,9 +59,9 @@ def warm_bytecode() -> None:
 
 
 # The browser tests in three queues, by file (about equal time each). Each drives an engine, a
-# Streamlit server and chromium, and spends most of its time waiting on the page, so the
-# queues run beside each other and beside the CPU-bound tests (three workers on two cores); one
-# or two queues made the browser tests the suite's long pole.
+# Streamlit server and chromium, and spends most of its time waiting on the page; as queues,
+# not one group, they spread over both workers and between the CPU-bound tests, so that the
+# browser tests are not the suite's long pole.
 BROWSER_QUEUES = {
     "test_browser_live.py": "browser-a",
     "test_browser_first_minute.py": "browser-a",
