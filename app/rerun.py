@@ -144,6 +144,16 @@ def remember_own(config: dict[str, Any]) -> None:
     del mine[:-8]
 
 
+def replaced(field: str) -> None:
+    """A callback is about to change `field` from the value in force: the control it did not
+    come from still shows that value in the browser until this run's reply reaches it, and a
+    rerun started meanwhile sends it back as if chosen (seen: the exact box set 48, and the
+    slider's 8 came back and set 8 again). `stale` turns such a value away."""
+    old = (session.SYNCED_CONFIG.get() or {}).get(field)
+    if old is not None:
+        session.STALE[field].set((old, time.monotonic()))
+
+
 def stale(field: str, value: object) -> bool:
     """A value the controls showed before they were synced to the engine's config, sent back by
     a rerun the browser started before the sync reached it (the live charts rerun their fragment

@@ -56,6 +56,7 @@ def _on_budget_slider(link: EngineLink) -> None:
     value = int(session.BUDGET_SLIDER.get())
     if rerun.stale("max_extend_tokens", value):
         return
+    rerun.replaced("max_extend_tokens")
     session.BUDGET_EXACT.set(str(value))
     _apply_config(link, max_extend_tokens=value)
 
@@ -70,6 +71,7 @@ def _on_budget_exact(link: EngineLink) -> None:
         return
     if rerun.stale("max_extend_tokens", value):
         return
+    rerun.replaced("max_extend_tokens")
     session.BUDGET_SLIDER.set(value)
     _apply_config(link, max_extend_tokens=value)
 

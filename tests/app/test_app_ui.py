@@ -115,6 +115,27 @@ def test_exact_budget_refuses_what_is_not_a_budget(app: AppTest, peer: AppPeer, 
     assert app.select_slider(key="budget_slider").value == 64
 
 
+def test_the_other_budget_control_coming_back_does_not_undo_a_change(
+    app: AppTest, peer: AppPeer
+) -> None:
+    """The exact box sets 48: the slider, drawn before, still shows the old budget in the
+    browser, and a rerun started then sends it back. It is not taken for a choice (seen: the
+    engine back at 8 a moment after the box set 48); nor is the box's old text after the slider
+    moved."""
+    app.text_input(key="budget_exact").set_value("8").run()
+    assert peer.sim.config["max_extend_tokens"] == 8
+    app.text_input(key="budget_exact").set_value("48").run()
+    app.select_slider(key="budget_slider").set_value(8).run()
+    assert [c["max_extend_tokens"] for c in peer.received("set_config")] == [8, 48]
+    assert peer.sim.config["max_extend_tokens"] == 48
+    assert app.text_input(key="budget_exact").value == "48"
+    assert app.select_slider(key="budget_slider").value == 48
+    app.select_slider(key="budget_slider").set_value(64).run()
+    app.text_input(key="budget_exact").set_value("48").run()
+    assert [c["max_extend_tokens"] for c in peer.received("set_config")] == [8, 48, 64]
+    assert app.text_input(key="budget_exact").value == "64"
+
+
 def test_policy_switch_sends_set_config(app: AppTest, peer: AppPeer) -> None:
     app.radio(key="policy").set_value("mixed").run()
     assert peer.received("set_config")[-1] == {
