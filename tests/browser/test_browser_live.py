@@ -258,8 +258,8 @@ def test_page_map_zoom_and_abort_while_two_requests_share_a_prefix(
         client.until(lambda m: m["type"] == "request" and m.get("uid") == seed
                      and m.get("event") == "finished")  # fmt: skip
         # long enough to outlast the test on any machine: both are aborted below
-        first = _submit_ids(client, "a", prefix + suffix(), LONG_TOKENS)
-        second = _submit_ids(client, "b", prefix + suffix(), LONG_TOKENS)
+        first = _submit_ids(client, "a", prefix + suffix(), FIRST_TOKENS)
+        second = _submit_ids(client, "b", prefix + suffix(), SECOND_TOKENS)
         page.wait_for_function(
             f"() => {{ const s = ({SUMMARY_JS})(); return s && s.shared >= 256 "
             f"&& (s.owners['{first}'] || 0) > 0 && (s.owners['{second}'] || 0) > 0; }}"
@@ -323,8 +323,12 @@ def test_a_chart_script_that_failed_to_load_is_loaded_again(live_app: tuple[str,
     assert any("did not load; loading again in 1 s" in w for w in warnings), warnings
 
 
-# two requests of this many tokens decode for minutes, and their reservations fit the pool
-LONG_TOKENS = 30_000
+# the two long requests' outputs: their reservations (with their 296-token prompts) fit the pool
+# together. The second is aborted early; the first decodes alone from then on, for minutes even
+# on a quiet machine (a loaded one ran the test for three, and 30,000 tokens ended before its
+# Abort button was clicked)
+FIRST_TOKENS = 44_900
+SECOND_TOKENS = 20_000
 LONG_CONTEXT = 65_536
 
 
